@@ -1,0 +1,74 @@
+// conveyor/array.h: a contiguous n-dimensional array, what default_collate
+// makes of numbers when LibTorch is not in the build.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "conveyor/buffer.h"
+
+namespace conveyor {
+
+// Row-major, contiguous, owning (through a shared buffer: copies share
+// elements, like tensors). conveyor/torch.h turns one into a torch::Tensor
+// without copying.
+template <class T>
+class Array {
+  static_assert(std::is_arithmetic_v<T>, "Array holds numbers");
+
+ public:
+  using value_type = T;
+
+  Array() = default;
+  // Uninitialised elements, from allocate_batch_buffer().
+  explicit Array(std::vector<int64_t> shape) : shape_(std::move(shape)) {
+    const size_t count = numel();
+    std::shared_ptr<std::byte> buffer = allocate_batch_buffer(count * sizeof(T));
+    data_ = reinterpret_cast<T*>(buffer.get());
+    owner_ = std::move(buffer);
+  }
+  // Views memory kept alive by `owner`.
+  Array(std::vector<int64_t> shape, T* data, std::shared_ptr<void> owner)
+      : shape_(std::move(shape)), data_(data), owner_(std::move(owner)) {}
+
+  const std::vector<int64_t>& shape() const noexcept { return shape_; }
+  int64_t dim() const noexcept { return static_cast<int64_t>(shape_.size()); }
+  size_t numel() const noexcept {
+    size_t count = 1;
+    for (int64_t extent : shape_) count *= static_cast<size_t>(extent);
+    return shape_.empty() && data_ == nullptr ? 0 : count;
+  }
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  std::span<T> values() noexcept { return {data_, numel()}; }
+  std::span<const T> values() const noexcept { return {data_, numel()}; }
+  T& operator[](size_t flat_index) noexcept { return data_[flat_index]; }
+  const T& operator[](size_t flat_index) const noexcept { return data_[flat_index]; }
+
+  // What keeps the elements alive.
+  const std::shared_ptr<void>& owner() const noexcept { return owner_; }
+
+ private:
+  std::vector<int64_t> shape_;
+  T* data_ = nullptr;
+  std::shared_ptr<void> owner_;
+};
+
+// "[3, 32, 32]", as torch prints sizes.
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  return text + "]";
+}
+
+}  // namespace conveyor

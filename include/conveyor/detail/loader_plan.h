@@ -1,0 +1,45 @@
+// conveyor/detail/loader_plan.h: LoaderOptions checked and resolved once into
+// the immutable plan the rest of the loader reads.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "conveyor/options.h"
+#include "conveyor/sampler.h"
+
+namespace conveyor::detail {
+
+enum class DatasetKind { map, iterable };
+
+struct LoaderPlan {
+  DatasetKind kind = DatasetKind::map;
+  // Batches are collated from vectors of samples (else: one sample at a time).
+  bool auto_collation = true;
+  // Iterable datasets: samples per batch (auto_collation only).
+  size_t batch_size = 1;
+  bool drop_last = false;
+  // Map-style: the batches of indices (batches of one without auto_collation).
+  std::shared_ptr<Sampler<BatchIndices>> index_sampler;
+  // The loader's generator; nullopt draws from default_generator().
+  std::optional<Generator> generator;
+  size_t num_workers = 0;
+  // Reorder window: prefetch_factor * num_workers slots (0 without workers).
+  size_t window = 0;
+  std::chrono::nanoseconds timeout{0};  // zero: wait forever
+  bool persistent_workers = false;
+  bool in_order = true;
+  bool pin_memory = false;
+  Scheduling scheduling = Scheduling::round_robin;
+  std::function<void(int)> worker_init_fn;
+};
+
+// Checks `options` in PyTorch's order, with PyTorch's messages (ValueError),
+// and builds the default samplers. `map_size` is the dataset's size for
+// map-style datasets.
+LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t map_size);
+
+}  // namespace conveyor::detail

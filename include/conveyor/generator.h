@@ -1,0 +1,106 @@
+// conveyor/generator.h: a random generator that draws what torch.Generator
+// draws, without LibTorch.
+//
+// Generator is MT19937 with torch.Generator's seeding (only the low 32 bits
+// of the seed reach the engine) and torch's CPU draw primitives on top, so
+// for the same seed the samplers in conveyor/sampler.h produce the same
+// indices in the same order as PyTorch 1.13. conveyor/torch.h converts to and
+// from torch::Generator.
+//
+// Generator is a handle: copies share one engine, as Python references to one
+// torch.Generator do. Every draw locks the engine (like torch's
+// generator->mutex_), so sharing across threads is safe; bulk operations
+// (randperm, randint, multinomial) lock once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+namespace conveyor {
+
+// Where a Generator's bits come from: the built-in MT19937, or (see
+// conveyor/torch.h) a torch::Generator's own engine, so that conveyor's
+// samplers advance a torch generator exactly as PyTorch's would.
+class RandomEngine {
+ public:
+  virtual ~RandomEngine() = default;
+  // Held around every run of draws, and around the calls below.
+  virtual std::mutex& mutex() = 0;
+  virtual uint32_t next32() = 0;
+  virtual void seed(uint64_t seed) = 0;
+  virtual uint64_t initial_seed() const = 0;
+  virtual std::vector<uint8_t> get_state() const = 0;
+  virtual void set_state(std::span<const uint8_t> state) = 0;
+};
+
+class Generator {
+ public:
+  // torch.Generator()'s seed when never seeded.
+  static constexpr uint64_t kDefaultSeed = 67280421310721ULL;
+
+  Generator();  // seeded with kDefaultSeed
+  explicit Generator(uint64_t seed);
+  // Draws from `engine` (shared, not copied).
+  explicit Generator(std::shared_ptr<RandomEngine> engine);
+
+  // Generator::manual_seed(): reseeds this engine (and every copy sharing it).
+  Generator& manual_seed(uint64_t seed);
+  uint64_t initial_seed() const;
+
+  uint32_t random();    // one engine output (torch: generator->random())
+  uint64_t random64();  // two outputs, (first << 32) | second
+
+  // The engine's full state, for checkpointing a run mid-way. The format is
+  // the engine's own.
+  std::vector<uint8_t> get_state() const;
+  void set_state(std::span<const uint8_t> state);
+
+  // Two handles are equal when they share one engine.
+  friend bool operator==(const Generator& a, const Generator& b) noexcept {
+    return a.engine_ == b.engine_;
+  }
+
+  const std::shared_ptr<RandomEngine>& engine() const noexcept { return engine_; }
+
+ private:
+  std::shared_ptr<RandomEngine> engine_;
+};
+
+// The process-wide default generator (torch's default CPU generator), seeded
+// non-deterministically at start-up. On a loader's worker this returns that
+// worker's generator instead, seeded as PyTorch seeds a worker process; see
+// conveyor/worker_info.h.
+Generator& default_generator();
+
+// torch.manual_seed(): reseeds the process-wide default generator.
+void manual_seed(uint64_t seed);
+
+// ---- draws, each the CPU kernel of the named torch op ----------------------
+
+// torch.empty((), dtype=torch.int64).random_(generator=g).item(): a value in
+// [0, 2^63). How PyTorch draws seeds (the DataLoader's base seed, a
+// RandomSampler's private seed).
+int64_t draw_seed(Generator& g);
+
+// torch.randperm(n, generator=g), written into `out` (n = out.size()).
+void randperm(std::span<size_t> out, Generator& g);
+std::vector<size_t> randperm(size_t n, Generator& g);
+
+// torch.randint(low, high, (out.size(),), generator=g). Throws RuntimeError
+// unless low < high.
+void randint(int64_t low, int64_t high, std::span<int64_t> out, Generator& g);
+
+// torch.multinomial(weights (float64), num_samples, replacement, generator=g).
+// Throws RuntimeError with torch's messages for invalid distributions.
+std::vector<int64_t> multinomial(std::span<const double> weights, int64_t num_samples,
+                                 bool replacement, Generator& g);
+
+// torch.rand((), dtype=float64 / float32, generator=g): uniform in [0, 1).
+double uniform(Generator& g);
+float uniform_float(Generator& g);
+
+}  // namespace conveyor

@@ -1,0 +1,71 @@
+// conveyor/options.h: the DataLoader's options, PyTorch's set plus
+// conveyor's scheduling choices.
+//
+// Designated initialisers must follow the declaration order below:
+//   {.batch_size = 64, .shuffle = true, .num_workers = 8,
+//    .prefetch_factor = 2, .pin_memory = true, .seed = 42}
+// Every member has a default initialiser, so partial designated
+// initialisers compile cleanly under -Wextra. Invalid combinations throw ValueError at construction with the message
+// PyTorch gives for the same mistake.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "conveyor/generator.h"
+#include "conveyor/sampler.h"
+
+namespace conveyor {
+
+// How batches are assigned to workers when num_workers > 0.
+enum class Scheduling {
+  // PyTorch's: batch k runs on worker k % num_workers, each worker fetches
+  // its batches in order, and worker w's default_generator() is seeded
+  // base_seed + w, so random draws inside a dataset equal PyTorch's workers'.
+  round_robin,
+  // Any free worker takes the next batch. Each batch's default_generator()
+  // is seeded from (base_seed, epoch, batch seq), so augmentations are the
+  // same for any num_workers, and one slow batch does not idle the rest.
+  work_stealing,
+};
+
+struct LoaderOptions {
+  // Samples per batch; std::nullopt turns auto-batching off (each sample is
+  // handed out alone, through a collate function that takes one sample).
+  std::optional<int64_t> batch_size = 1;
+  // Reshuffle every epoch (a RandomSampler over the dataset).
+  bool shuffle = false;
+  // Where indices come from; mutually exclusive with shuffle.
+  std::shared_ptr<Sampler<size_t>> sampler{};
+  // Where whole batches of indices come from; mutually exclusive with
+  // batch_size, shuffle, sampler and drop_last.
+  std::shared_ptr<Sampler<BatchIndices>> batch_sampler{};
+  // Worker threads; 0 loads in the consumer's thread.
+  int num_workers = 0;
+  // Batches in flight per worker: the reorder window holds
+  // prefetch_factor * num_workers batches.
+  int prefetch_factor = 2;
+  // Keep workers, their threads and state alive across epochs.
+  bool persistent_workers = false;
+  // Hand out batches in page-locked memory, copied to the device.
+  bool pin_memory = false;
+  std::string pin_memory_device{};
+  // Drop the last, incomplete batch.
+  bool drop_last = false;
+  // Seconds next() may wait for a batch before throwing TimeoutError; 0 waits forever.
+  double timeout = 0;
+  // Called once on each worker (with its id) before it loads anything.
+  std::function<void(int)> worker_init_fn{};
+  // Draws the loader's base seed each epoch and, with shuffle, the order.
+  std::optional<Generator> generator{};
+  // Shorthand for generator = Generator(seed).
+  std::optional<uint64_t> seed{};
+  // Hand batches out in sampler order (true) or as soon as each is ready.
+  bool in_order = true;
+  Scheduling scheduling = Scheduling::round_robin;
+};
+
+}  // namespace conveyor

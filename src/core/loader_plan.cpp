@@ -1,0 +1,152 @@
+#include "conveyor/detail/loader_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "conveyor/errors.h"
+
+namespace conveyor::detail {
+namespace {
+
+// A sampler's indices as batches of one: the index sampler when
+// auto-batching is off, so every path hands the engine BatchIndices.
+class SingletonBatches final : public Sampler<BatchIndices> {
+ public:
+  explicit SingletonBatches(std::shared_ptr<Sampler<size_t>> sampler)
+      : sampler_(std::move(sampler)) {}
+  size_t size() const override { return sampler_->size(); }
+  void set_epoch(uint64_t epoch) override { sampler_->set_epoch(epoch); }
+  std::string name() const override { return sampler_->name(); }
+  std::unique_ptr<SamplerIterator<BatchIndices>> iter() override {
+    class Iterator final : public SamplerIterator<BatchIndices> {
+     public:
+      explicit Iterator(std::unique_ptr<SamplerIterator<size_t>> inner) : inner_(std::move(inner)) {}
+      bool next(BatchIndices& out) override {
+        size_t index = 0;
+        if (!inner_->next(index)) return false;
+        out.assign(1, index);
+        return true;
+      }
+
+     private:
+      std::unique_ptr<SamplerIterator<size_t>> inner_;
+    };
+    return std::make_unique<Iterator>(sampler_->iter());
+  }
+
+ private:
+  std::shared_ptr<Sampler<size_t>> sampler_;
+};
+
+}  // namespace
+
+LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t map_size) {
+  if (options.num_workers < 0) {
+    throw ValueError(
+        "num_workers option should be non-negative; use num_workers=0 to disable "
+        "multiprocessing.");
+  }
+  if (options.timeout < 0 || std::isnan(options.timeout)) {
+    throw ValueError("timeout option should be non-negative");
+  }
+  if (options.num_workers == 0 && options.prefetch_factor != 2) {
+    throw ValueError(
+        "prefetch_factor option could only be specified in multiprocessing.let num_workers > 0 "
+        "to enable multiprocessing.");
+  }
+  if (options.prefetch_factor <= 0) {  // Python: a bare assert
+    throw ValueError("prefetch_factor option should be positive, but got prefetch_factor=" +
+                     std::to_string(options.prefetch_factor));
+  }
+  if (options.persistent_workers && options.num_workers == 0) {
+    throw ValueError("persistent_workers option needs num_workers > 0");
+  }
+  if (kind == DatasetKind::iterable) {
+    if (options.shuffle) {
+      throw ValueError(
+          "DataLoader with IterableDataset: expected unspecified shuffle option, but got "
+          "shuffle=True");
+    }
+    if (options.sampler) {
+      throw ValueError(
+          "DataLoader with IterableDataset: expected unspecified sampler option, but got "
+          "sampler=<" + options.sampler->name() + ">");
+    }
+    if (options.batch_sampler) {
+      throw ValueError(
+          "DataLoader with IterableDataset: expected unspecified batch_sampler option, but got "
+          "batch_sampler=<" + options.batch_sampler->name() + ">");
+    }
+  }
+  if (options.sampler && options.shuffle) {
+    throw ValueError("sampler option is mutually exclusive with shuffle");
+  }
+  // Plain values, not std::optional: GCC 12 misreads optional copies as
+  // maybe-uninitialized here.
+  bool batching = options.batch_size.has_value();
+  const int64_t batch_size = options.batch_size.value_or(0);
+  bool drop_last = options.drop_last;
+  if (options.batch_sampler) {
+    if (!batching || batch_size != 1 || options.shuffle || options.sampler || drop_last) {
+      throw ValueError(
+          "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and "
+          "drop_last");
+    }
+    batching = false;
+    drop_last = false;
+  } else if (!batching && drop_last) {
+    throw ValueError(
+        "batch_size=None option disables auto-batching and is mutually exclusive with drop_last");
+  }
+  if (options.generator && options.seed) {
+    throw ValueError("generator and seed options are mutually exclusive: seed=S is shorthand "
+                     "for generator=Generator(S)");
+  }
+
+  LoaderPlan plan;
+  plan.kind = kind;
+  plan.drop_last = drop_last;
+  if (options.generator) plan.generator = options.generator;
+  if (options.seed) plan.generator = Generator(*options.seed);
+  plan.auto_collation = options.batch_sampler != nullptr || batching;
+
+  if (kind == DatasetKind::map) {
+    std::shared_ptr<Sampler<size_t>> sampler = options.sampler;
+    if (!sampler) {
+      if (options.shuffle) {
+        sampler = std::make_shared<RandomSampler>(map_size, false, std::nullopt, plan.generator);
+      } else {
+        sampler = std::make_shared<SequentialSampler>(map_size);
+      }
+    }
+    if (options.batch_sampler) {
+      plan.index_sampler = options.batch_sampler;
+    } else if (batching) {
+      plan.index_sampler = std::make_shared<BatchSampler>(sampler, batch_size, drop_last);
+    } else {
+      plan.index_sampler = std::make_shared<SingletonBatches>(sampler);
+    }
+  } else if (batching) {
+    if (batch_size <= 0) {
+      throw ValueError("batch_size should be a positive integer value, but got batch_size=" +
+                       std::to_string(batch_size));
+    }
+    plan.batch_size = static_cast<size_t>(batch_size);
+  }
+
+  plan.num_workers = static_cast<size_t>(options.num_workers);
+  plan.window = plan.num_workers * static_cast<size_t>(options.prefetch_factor);
+  // Clamped so that an enormous timeout cannot overflow the nanosecond count.
+  plan.timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(std::min(options.timeout, 1e9)));
+  plan.persistent_workers = options.persistent_workers;
+  plan.in_order = options.in_order;
+  plan.pin_memory = options.pin_memory;
+  plan.scheduling = options.scheduling;
+  plan.worker_init_fn = options.worker_init_fn;
+  return plan;
+}
+
+}  // namespace conveyor::detail

@@ -1,0 +1,123 @@
+// The LibTorch adapters: kept to this one translation unit because LibTorch's
+// headers are slow to compile.
+#include "conveyor/torch.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "conveyor/buffer.h"
+#include "conveyor/errors.h"
+
+namespace conveyor {
+
+at::Tensor collate_traits<at::Tensor>::collate(std::vector<at::Tensor>&& samples) {
+  if (samples.empty()) throw ValueError("default_collate: cannot collate an empty batch");
+  const at::Tensor& first = samples.front();
+  if (!first.device().is_cpu()) return at::stack(samples, 0);
+  std::vector<int64_t> sizes{static_cast<int64_t>(samples.size())};
+  for (int64_t extent : first.sizes()) sizes.push_back(extent);
+  int64_t numel = 1;
+  for (int64_t extent : sizes) numel *= extent;
+  const auto bytes = static_cast<size_t>(numel) * first.element_size();
+  std::shared_ptr<std::byte> buffer = allocate_batch_buffer(bytes);
+  std::byte* data = buffer.get();
+  at::Tensor out = at::from_blob(
+      data, sizes, [buffer = std::move(buffer)](void*) mutable { buffer.reset(); },
+      first.options());
+  at::stack_out(out, samples, 0);
+  return out;
+}
+
+namespace {
+
+constexpr int kStateWords = 624;
+
+// A torch CPU generator as a RandomEngine: draws go to its own engine under
+// its own mutex, so torch and conveyor see one stream.
+class TorchEngine final : public RandomEngine {
+ public:
+  explicit TorchEngine(at::Generator generator) : generator_(std::move(generator)) {
+    if (!generator_.defined() || generator_.device().type() != at::kCPU) {
+      throw ValueError("from_torch: expected a CPU torch::Generator");
+    }
+  }
+  std::mutex& mutex() override { return generator_.mutex(); }
+  uint32_t next32() override { return impl()->random(); }
+  void seed(uint64_t seed) override { impl()->set_current_seed(seed); }
+  uint64_t initial_seed() const override { return generator_.current_seed(); }
+  std::vector<uint8_t> get_state() const override {
+    const at::Tensor state = generator_.get_state();
+    const auto* bytes = state.data_ptr<uint8_t>();
+    return {bytes, bytes + state.numel()};
+  }
+  at::Generator clone() const { return generator_.clone(); }
+  void set_state(std::span<const uint8_t> state) override {
+    at::Tensor tensor = at::empty({static_cast<int64_t>(state.size())}, at::kByte);
+    std::memcpy(tensor.data_ptr<uint8_t>(), state.data(), state.size());
+    generator_.set_state(tensor);
+  }
+
+ private:
+  at::CPUGeneratorImpl* impl() const { return generator_.get<at::CPUGeneratorImpl>(); }
+  at::Generator generator_;
+};
+
+}  // namespace
+
+Generator from_torch(at::Generator generator) {
+  return Generator(std::make_shared<TorchEngine>(std::move(generator)));
+}
+
+at::Generator to_torch(const Generator& generator) {
+  if (auto* torch_engine = dynamic_cast<TorchEngine*>(generator.engine().get())) {
+    std::lock_guard lock(torch_engine->mutex());
+    return torch_engine->clone();
+  }
+  // The built-in engine's state: "seed w0 ... w623 position" (std::mt19937's
+  // text form after the seed). at::mt19937 keeps the same words; its
+  // position is `next_`, with left_ = 1 meaning "regenerate on next draw".
+  const std::vector<uint8_t> raw = generator.get_state();
+  std::istringstream in(std::string(raw.begin(), raw.end()));
+  at::mt19937_data_pod pod{};
+  size_t position = 0;
+  in >> pod.seed_;
+  for (int i = 0; i < kStateWords; ++i) in >> pod.state_[static_cast<size_t>(i)];
+  in >> position;
+  if (!in) throw ValueError("to_torch: this Generator's engine state cannot be converted");
+  pod.seeded_ = true;
+  pod.next_ = static_cast<uint32_t>(position);
+  pod.left_ = static_cast<int>(kStateWords + 1 - position);
+  at::mt19937 engine;
+  engine.set_data(pod);
+  at::Generator out = at::detail::createCPUGenerator(pod.seed_);
+  out.get<at::CPUGeneratorImpl>()->set_engine(engine);
+  return out;
+}
+
+TensorDataset::TensorDataset(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+  if (tensors_.empty()) throw ValueError("TensorDataset needs at least one tensor");
+  for (const at::Tensor& tensor : tensors_) {
+    if (tensor.dim() == 0 || tensor.size(0) != tensors_.front().size(0)) {
+      throw ValueError("Size mismatch between tensors");
+    }
+  }
+}
+
+size_t TensorDataset::size() const { return static_cast<size_t>(tensors_.front().size(0)); }
+
+std::vector<at::Tensor> TensorDataset::get(size_t index) {
+  if (index >= size()) {
+    throw IndexError("index " + std::to_string(index) + " is out of range for a TensorDataset of size " +
+                     std::to_string(size()));
+  }
+  std::vector<at::Tensor> sample;
+  sample.reserve(tensors_.size());
+  for (const at::Tensor& tensor : tensors_) sample.push_back(tensor[static_cast<int64_t>(index)]);
+  return sample;
+}
+
+}  // namespace conveyor

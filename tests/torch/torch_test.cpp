@@ -1,0 +1,144 @@
+// conveyor::torch: LibTorch's own ops draw what conveyor's generator draws,
+// tensor collate stacks into one output, generators interoperate.
+#include <gtest/gtest.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <conveyor/conveyor.h>
+#include <conveyor/torch.h>
+
+#include <vector>
+
+namespace {
+
+std::vector<int64_t> as_vector(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous().to(at::kLong);
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+const uint64_t kSeeds[] = {0, 1, 42, (uint64_t{1} << 32) + 7, 67280421310721ULL};
+
+TEST(TorchParity, RandpermMatchesLibTorch) {
+  for (uint64_t seed : kSeeds) {
+    for (int64_t n : {1, 2, 10, 1000, 20000}) {
+      auto torch_gen = at::detail::createCPUGenerator(seed);
+      conveyor::Generator ours(seed);
+      const auto expected = as_vector(at::randperm(n, torch_gen));
+      const auto got = conveyor::randperm(static_cast<size_t>(n), ours);
+      EXPECT_EQ(std::vector<int64_t>(got.begin(), got.end()), expected) << "seed " << seed << " n " << n;
+    }
+  }
+}
+
+TEST(TorchParity, RandintAndRandomMatchLibTorch) {
+  for (uint64_t seed : kSeeds) {
+    for (auto [low, high] : {std::pair<int64_t, int64_t>{0, 10}, {-3, 1000}, {0, int64_t{1} << 33}}) {
+      auto torch_gen = at::detail::createCPUGenerator(seed);
+      conveyor::Generator ours(seed);
+      std::vector<int64_t> got(64);
+      conveyor::randint(low, high, got, ours);
+      EXPECT_EQ(got, as_vector(at::randint(low, high, {64}, torch_gen, at::kLong)));
+    }
+    auto torch_gen = at::detail::createCPUGenerator(seed);
+    conveyor::Generator ours(seed);
+    const auto seeds = as_vector(at::empty({5}, at::kLong).random_(torch_gen));
+    for (int64_t s : seeds) EXPECT_EQ(conveyor::draw_seed(ours), s);
+  }
+}
+
+TEST(TorchParity, MultinomialMatchesLibTorch) {
+  std::vector<double> weights;
+  for (int i = 0; i < 300; ++i) weights.push_back(1.0 + (i * 37) % 11);
+  const at::Tensor w = at::tensor(weights, at::kDouble);
+  for (uint64_t seed : kSeeds) {
+    for (bool replacement : {true, false}) {
+      for (int64_t k : {1, 3, 4, 5, 100, 300}) {
+        auto torch_gen = at::detail::createCPUGenerator(seed);
+        conveyor::Generator ours(seed);
+        EXPECT_EQ(conveyor::multinomial(weights, k, replacement, ours),
+                  as_vector(at::multinomial(w, k, replacement, torch_gen)))
+            << "seed " << seed << " k " << k << " replacement " << replacement;
+        EXPECT_EQ(ours.random(), torch_gen.get<at::CPUGeneratorImpl>()->random());  // same position after
+      }
+    }
+  }
+}
+
+TEST(TorchGenerator, FromTorchDrawsFromAndAdvancesTheTorchGenerator) {
+  auto torch_gen = at::detail::createCPUGenerator(5);
+  auto reference = at::detail::createCPUGenerator(5);
+  conveyor::RandomSampler sampler(100, false, std::nullopt, conveyor::from_torch(torch_gen));
+  const auto order = conveyor::collect(sampler);
+  EXPECT_EQ(std::vector<int64_t>(order.begin(), order.end()), as_vector(at::randperm(100, reference)));
+  // One randperm(100) drawn, plus the empty remainder's randperm: both generators moved alike.
+  at::randperm(100, reference);
+  EXPECT_EQ(torch_gen.get<at::CPUGeneratorImpl>()->random(), reference.get<at::CPUGeneratorImpl>()->random());
+}
+
+TEST(TorchGenerator, ToTorchCopiesTheStateMidStream) {
+  conveyor::Generator ours(99);
+  for (int i = 0; i < 1000; ++i) ours.random();  // past one regeneration of the 624-word state
+  at::Generator copy = conveyor::to_torch(ours);
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_EQ(copy.get<at::CPUGeneratorImpl>()->random(), ours.random()) << "draw " << i;
+  }
+  conveyor::Generator fresh(3);
+  at::Generator fresh_copy = conveyor::to_torch(fresh);
+  EXPECT_EQ(as_vector(at::randperm(50, fresh_copy)), as_vector(at::randperm(50, at::detail::createCPUGenerator(3))));
+}
+
+TEST(TensorCollate, StacksIntoOneAlignedOutput) {
+  std::vector<at::Tensor> samples;
+  for (int i = 0; i < 4; ++i) samples.push_back(at::full({3, 2}, static_cast<float>(i)));
+  const at::Tensor batch = conveyor::default_collate(std::move(samples));
+  EXPECT_EQ(batch.sizes(), (at::IntArrayRef{4, 3, 2}));
+  EXPECT_EQ(batch.scalar_type(), at::kFloat);
+  EXPECT_TRUE(batch.is_contiguous());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(batch.data_ptr()) % 64, 0u);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(batch[i], at::full({3, 2}, static_cast<float>(i))));
+}
+
+TEST(TensorCollate, UnequalSizesGiveTorchsMessage) {
+  std::vector<at::Tensor> samples{at::zeros({3}), at::zeros({4})};
+  try {
+    conveyor::default_collate(std::move(samples));
+    FAIL();
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "stack expects each tensor to be equal size, but got [3] at entry 0 and [4] at entry 1"),
+              std::string::npos);
+  }
+}
+
+TEST(TensorDataset, LoadsThroughTheLoader) {
+  const at::Tensor x = at::arange(20, at::kFloat).reshape({10, 2});
+  const at::Tensor y = at::arange(10, at::kLong);
+  conveyor::TensorDataset dataset({x, y});
+  conveyor::DataLoader loader(dataset, {.batch_size = 4, .shuffle = true, .seed = 1});
+  int64_t rows = 0;
+  for (auto& batch : loader) {
+    ASSERT_EQ(batch.size(), 2u);
+    const at::Tensor& xs = batch[0];
+    const at::Tensor& ys = batch[1];
+    EXPECT_TRUE(at::equal(xs.select(1, 0), ys.to(at::kFloat) * 2));
+    rows += ys.size(0);
+  }
+  EXPECT_EQ(rows, 10);
+  EXPECT_THROW(conveyor::TensorDataset({at::zeros({3, 2}), at::zeros({4})}), conveyor::ValueError);
+  try {
+    conveyor::TensorDataset({at::zeros({3, 2}), at::zeros({4})});
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(), "Size mismatch between tensors");  // PyTorch's text (an AssertionError there)
+  }
+}
+
+TEST(ArrayToTensor, SharesMemory) {
+  conveyor::Array<int32_t> a({2, 3});
+  for (size_t i = 0; i < 6; ++i) a[i] = static_cast<int32_t>(i);
+  at::Tensor t = conveyor::to_tensor(a);
+  EXPECT_EQ(t.sizes(), (at::IntArrayRef{2, 3}));
+  EXPECT_EQ(t.data_ptr(), static_cast<void*>(a.data()));
+  a[5] = 42;
+  EXPECT_EQ(t[1][2].item<int32_t>(), 42);
+}
+
+}  // namespace

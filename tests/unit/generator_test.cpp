@@ -1,0 +1,122 @@
+#include <gtest/gtest.h>
+
+#include <conveyor/detail/worker_scope.h>
+#include <conveyor/errors.h>
+#include <conveyor/generator.h>
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+namespace {
+
+std::vector<uint32_t> draw(conveyor::Generator& g, int n) {
+  std::vector<uint32_t> out;
+  for (int i = 0; i < n; ++i) out.push_back(g.random());
+  return out;
+}
+
+TEST(Generator, SameSeedSameStream) {
+  conveyor::Generator a(123), b(123), c(124);
+  EXPECT_EQ(draw(a, 50), draw(b, 50));
+  EXPECT_NE(draw(a, 50), draw(c, 50));
+}
+
+TEST(Generator, OnlyTheLow32BitsOfTheSeedReachTheEngine) {
+  conveyor::Generator a(5), b(5 + (uint64_t{1} << 32));
+  EXPECT_EQ(draw(a, 20), draw(b, 20));
+  EXPECT_EQ(b.initial_seed(), 5 + (uint64_t{1} << 32));  // but the seed itself is kept
+}
+
+TEST(Generator, CopiesShareOneEngine) {
+  conveyor::Generator a(9);
+  conveyor::Generator shared = a;
+  conveyor::Generator fresh(9);
+  const uint32_t first = a.random();
+  EXPECT_EQ(first, fresh.random());
+  EXPECT_EQ(shared.random(), fresh.random());  // shared advanced with a
+  EXPECT_TRUE(shared == a);
+  EXPECT_FALSE(fresh == a);
+}
+
+TEST(Generator, ManualSeedRestarts) {
+  conveyor::Generator g(77);
+  const auto first = draw(g, 10);
+  g.manual_seed(77);
+  EXPECT_EQ(draw(g, 10), first);
+}
+
+TEST(Generator, Random64IsTwoDrawsHighFirst) {
+  conveyor::Generator a(3), b(3);
+  const uint64_t hi = b.random(), lo = b.random();
+  EXPECT_EQ(a.random64(), (hi << 32) | lo);
+}
+
+TEST(Generator, StateRoundTripsMidStream) {
+  conveyor::Generator g(11);
+  draw(g, 1000);
+  const auto state = g.get_state();
+  const auto expected = draw(g, 100);
+  conveyor::Generator other(1);
+  other.set_state(state);
+  EXPECT_EQ(draw(other, 100), expected);
+  EXPECT_EQ(other.initial_seed(), 11u);
+  const std::vector<uint8_t> garbage{'x', 'y'};
+  EXPECT_THROW(other.set_state(garbage), conveyor::ValueError);
+}
+
+TEST(Generator, RandpermIsAPermutation) {
+  conveyor::Generator g(5);
+  for (size_t n : {0u, 1u, 2u, 17u, 1000u}) {
+    auto perm = conveyor::randperm(n, g);
+    std::vector<bool> seen(n, false);
+    for (size_t v : perm) {
+      ASSERT_LT(v, n);
+      ASSERT_FALSE(seen[v]);
+      seen[v] = true;
+    }
+  }
+}
+
+TEST(Generator, MultinomialWithoutReplacementNeverRepeats) {
+  conveyor::Generator g(8);
+  std::vector<double> weights(50);
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = 1.0 + static_cast<double>(i % 7);
+  for (int trial = 0; trial < 20; ++trial) {
+    auto drawn = conveyor::multinomial(weights, 50, false, g);
+    std::sort(drawn.begin(), drawn.end());
+    for (int64_t i = 0; i < 50; ++i) ASSERT_EQ(drawn[static_cast<size_t>(i)], i);
+  }
+}
+
+TEST(Generator, MultinomialNeverPicksZeroWeightsWithReplacement) {
+  conveyor::Generator g(8);
+  const std::vector<double> weights{0.0, 1.0, 0.0, 3.0, 0.0};
+  for (int64_t index : conveyor::multinomial(weights, 500, true, g)) {
+    EXPECT_TRUE(index == 1 || index == 3) << index;
+  }
+}
+
+TEST(Generator, DefaultGeneratorIsTheWorkersOnAWorkerThread) {
+  conveyor::Generator worker_generator(1234);
+  conveyor::Generator expected(1234);
+  conveyor::WorkerInfo info;
+  info.id = 3;
+  std::thread([&] {
+    EXPECT_EQ(conveyor::get_worker_info(), nullptr);
+    conveyor::detail::WorkerScope scope(&info, &worker_generator);
+    EXPECT_EQ(conveyor::get_worker_info()->id, 3);
+    EXPECT_EQ(conveyor::default_generator().random(), expected.random());
+  }).join();
+  EXPECT_EQ(conveyor::get_worker_info(), nullptr);
+  EXPECT_FALSE(conveyor::default_generator() == worker_generator);
+}
+
+TEST(Generator, ManualSeedMakesTheDefaultGeneratorReproducible) {
+  conveyor::manual_seed(99);
+  const uint32_t first = conveyor::default_generator().random();
+  conveyor::manual_seed(99);
+  EXPECT_EQ(conveyor::default_generator().random(), first);
+}
+
+}  // namespace

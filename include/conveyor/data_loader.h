@@ -33,8 +33,9 @@
 
 #include "conveyor/collate.h"
 #include "conveyor/dataset.h"
-#include "conveyor/detail/failure.h"
+#include "conveyor/detail/loader_core.h"
 #include "conveyor/detail/loader_plan.h"
+#include "conveyor/detail/threaded_source.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/options.h"
@@ -42,179 +43,6 @@
 #include "conveyor/warnings.h"
 
 namespace conveyor {
-
-namespace detail {
-
-// A collate function that declares `static constexpr bool takes_one_sample =
-// true` (like DefaultConvert) is only ever called with single samples.
-template <class C>
-concept OneSampleCollate = requires {
-  requires C::takes_one_sample;
-};
-
-// What a collate function C makes of samples of type T: from a vector of
-// samples when it takes one (auto-batching), else from a single sample. A
-// function taking both serves both modes when it returns the same type.
-template <class T, class C>
-struct batch_of {
-  static constexpr bool kTakesBatch =
-      !OneSampleCollate<C> && std::invocable<const C&, std::vector<T>&&>;
-  static constexpr bool kTakesSampleAtAll = std::invocable<const C&, T&&>;
-  static_assert(kTakesBatch || kTakesSampleAtAll,
-                "the collate function must take std::vector<Sample>&& (auto-batching) or "
-                "Sample&& (batch_size = std::nullopt)");
-  using type = std::remove_cvref_t<typename std::conditional_t<
-      kTakesBatch, std::invoke_result<const C&, std::vector<T>&&>,
-      std::invoke_result<const C&, T&&>>::type>;
-
-  static constexpr bool sample_result_fits() {
-    if constexpr (kTakesSampleAtAll) {
-      return std::is_same_v<std::remove_cvref_t<std::invoke_result_t<const C&, T&&>>, type>;
-    } else {
-      return false;
-    }
-  }
-  static constexpr bool kTakesSample = sample_result_fits();
-};
-
-// The seam between the loader and what produces its batches: in the
-// consumer's thread (num_workers == 0) or on the engine's workers.
-template <class Batch>
-class BatchSource {
- public:
-  virtual ~BatchSource() = default;
-  // The next batch, std::nullopt at the end of the epoch. A failed batch
-  // throws WorkerError at its position; the following call goes on after it.
-  virtual std::optional<Batch> next() = 0;
-};
-
-// Everything an epoch needs from its loader, shared so that an epoch (and
-// every task it started) keeps what it uses alive.
-template <class D, class C>
-struct LoaderCore {
-  using sample_type = sample_t<D>;
-  using batch_type = typename batch_of<sample_type, C>::type;
-
-  std::shared_ptr<D> dataset;
-  C collate;
-  LoaderPlan plan;
-  // len(loader) of an iterable dataset, once asked; for the "more batches
-  // than len()" warning. Consumer thread only.
-  std::optional<size_t> reported_length;
-  uint64_t epoch = 0;  // set_epoch()'s value; consumer thread only
-
-  // Fetch and collate one map-style batch. `stage` names the step running
-  // when an exception leaves.
-  batch_type make_batch(std::span<const size_t> indices, const char*& stage) const {
-    stage = "fetch";
-    if constexpr (batch_of<sample_type, C>::kTakesBatch) {
-      if (plan.auto_collation) {
-        std::vector<sample_type> samples = fetch(indices);
-        stage = "collate";
-        return collate(std::move(samples));
-      }
-    }
-    if constexpr (batch_of<sample_type, C>::kTakesSample) {
-      sample_type sample = dataset->get(indices.front());
-      stage = "collate";
-      return collate(std::move(sample));
-    }
-    throw TypeError("unreachable: the collate function does not fit the plan");
-  }
-
-  // Collate what an iterable replica produced.
-  batch_type collate_samples(std::vector<sample_type>&& samples) const {
-    if constexpr (batch_of<sample_type, C>::kTakesBatch) {
-      if (plan.auto_collation) return collate(std::move(samples));
-    }
-    if constexpr (batch_of<sample_type, C>::kTakesSample) {
-      return collate(std::move(samples.front()));
-    }
-    throw TypeError("unreachable: the collate function does not fit the plan");
-  }
-
-  std::vector<sample_type> fetch(std::span<const size_t> indices) const {
-    if constexpr (requires { dataset->get_batch(indices); }) {
-      return dataset->get_batch(indices);
-    } else {
-      std::vector<sample_type> samples;
-      samples.reserve(indices.size());
-      for (size_t index : indices) samples.push_back(dataset->get(index));
-      return samples;
-    }
-  }
-};
-
-// num_workers == 0, map-style: fetch and collate in the consumer's thread.
-template <class D, class C>
-class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
- public:
-  using batch_type = typename LoaderCore<D, C>::batch_type;
-
-  explicit InlineMapSource(std::shared_ptr<const LoaderCore<D, C>> core)
-      : core_(std::move(core)), batches_(core_->plan.index_sampler->iter()) {}
-
-  std::optional<batch_type> next() override {
-    if (!batches_->next(indices_)) return std::nullopt;
-    const uint64_t seq = next_seq_++;
-    const char* stage = "fetch";
-    try {
-      return core_->make_batch(indices_, stage);
-    } catch (...) {
-      throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
-    }
-  }
-
- private:
-  std::shared_ptr<const LoaderCore<D, C>> core_;
-  std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
-  BatchIndices indices_;
-  uint64_t next_seq_ = 0;
-};
-
-// num_workers == 0, iterable: one replica in the consumer's thread.
-template <class D, class C>
-class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
- public:
-  using batch_type = typename LoaderCore<D, C>::batch_type;
-  using sample_type = typename LoaderCore<D, C>::sample_type;
-
-  explicit InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core)
-      : core_(std::move(core)), replica_(core_->dataset->iter(nullptr)) {}
-
-  std::optional<batch_type> next() override {
-    if (exhausted_) return std::nullopt;
-    const LoaderPlan& plan = core_->plan;
-    const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
-    const uint64_t seq = next_seq_++;
-    const char* stage = "iterate";
-    try {
-      std::vector<sample_type> samples;
-      samples.reserve(wanted);
-      while (samples.size() < wanted) {
-        std::optional<sample_type> sample = replica_->next();
-        if (!sample) {
-          exhausted_ = true;
-          break;
-        }
-        samples.push_back(std::move(*sample));
-      }
-      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) return std::nullopt;
-      stage = "collate";
-      return core_->collate_samples(std::move(samples));
-    } catch (...) {
-      throw_worker_error(std::current_exception(), FailureContext{-1, seq, {}, stage});
-    }
-  }
-
- private:
-  std::shared_ptr<const LoaderCore<D, C>> core_;
-  std::unique_ptr<SampleIterator<sample_type>> replica_;
-  bool exhausted_ = false;
-  uint64_t next_seq_ = 0;
-};
-
-}  // namespace detail
 
 template <class D, class C = DefaultCollate>
   requires MapStyleDataset<D> || IterableStyleDataset<D>
@@ -230,11 +58,8 @@ class DataLoader {
   explicit DataLoader(std::shared_ptr<D> dataset, LoaderOptions options = {}, C collate_fn = {})
       : options_(std::move(options)) {
     if (!dataset) throw ValueError("DataLoader: dataset must not be null");
-    auto core = std::make_shared<Core>();
-    core->dataset = std::move(dataset);
-    core->collate = std::move(collate_fn);
-    core->plan = plan(*core->dataset, options_);
-    core_ = std::move(core);
+    detail::LoaderPlan resolved = plan(*dataset, options_);
+    core_ = std::make_shared<Core>(std::move(dataset), std::move(collate_fn), std::move(resolved));
   }
 
   // Borrows the dataset: it must outlive the loader and every epoch.
@@ -299,27 +124,41 @@ class DataLoader {
     batch_type* operator->() const { return &*current_; }
     iterator& operator++() {
       current_.reset();
-      current_ = epoch_->next();
+      // Held through a pointer, not a std::optional member: GCC 12 reports
+      // optional<Batch> members of inlined iterators as maybe-uninitialized
+      // in users' -Werror builds.
+      std::optional<batch_type> next = epoch_->next();
+      if (next) current_ = std::make_unique<batch_type>(std::move(*next));
       return *this;
     }
     void operator++(int) { ++*this; }
     friend bool operator==(const iterator& it, std::default_sentinel_t) noexcept {
-      return !it.current_.has_value();
+      return it.current_ == nullptr;
     }
 
    private:
     friend class DataLoader;
     explicit iterator(Epoch epoch) : epoch_(std::make_unique<Epoch>(std::move(epoch))) { ++*this; }
     std::unique_ptr<Epoch> epoch_;
-    mutable std::optional<batch_type> current_;
+    std::unique_ptr<batch_type> current_;
   };
 
+  // Starts an epoch. With persistent_workers only one epoch may be live at a
+  // time (RuntimeError otherwise); without, each epoch has its own workers.
   Epoch iter() {
     Core& core = *core_;
-    // The base seed comes first, before the sampler draws (PyTorch's order).
-    Generator& generator = core.plan.generator ? *core.plan.generator : default_generator();
-    const int64_t base_seed = draw_seed(generator);
-    return Epoch(core_, base_seed, make_source());
+    // The base seed comes first, before the sampler draws (PyTorch's order);
+    // persistent workers draw it once, at their first epoch.
+    int64_t base_seed = 0;
+    if (core.persistent_base_seed) {
+      base_seed = *core.persistent_base_seed;
+    } else {
+      Generator& generator = core.plan.generator ? *core.plan.generator : default_generator();
+      base_seed = draw_seed(generator);
+      if (core.plan.persistent_workers) core.persistent_base_seed = base_seed;
+    }
+    const uint64_t epoch = core.epoch++;
+    return Epoch(core_, base_seed, make_source(base_seed, epoch));
   }
   iterator begin() { return iterator(iter()); }
   std::default_sentinel_t end() const noexcept { return {}; }
@@ -344,7 +183,8 @@ class DataLoader {
   }
 
   // Tells the sampler (DistributedSampler reshuffles by it) and the
-  // work-stealing seeds which epoch the next pass is.
+  // work-stealing seeds which epoch the next pass is. Without it, passes
+  // count 0, 1, 2...
   void set_epoch(uint64_t epoch) {
     core_->epoch = epoch;
     if (core_->plan.index_sampler) core_->plan.index_sampler->set_epoch(epoch);
@@ -377,9 +217,19 @@ class DataLoader {
     return plan;
   }
 
-  std::unique_ptr<detail::BatchSource<batch_type>> make_source() {
-    if (core_->plan.num_workers > 0) {
-      throw ValueError("num_workers > 0 needs the threaded engine, which this build lacks yet");
+  std::unique_ptr<detail::BatchSource<batch_type>> make_source(int64_t base_seed, uint64_t epoch) {
+    Core& core = *core_;
+    if (core.plan.num_workers > 0) {
+      using Pool = detail::WorkerPool<D, C>;
+      std::shared_ptr<Pool> pool;
+      if (core.plan.persistent_workers) {
+        if (!core.persistent_pool) core.persistent_pool = std::make_shared<Pool>(core);
+        pool = core.persistent_pool;
+      } else {
+        pool = std::make_shared<Pool>(core);
+      }
+      return std::make_unique<detail::ThreadedSource<D, C>>(core_, std::move(pool), base_seed,
+                                                            epoch);
     }
     if constexpr (MapStyleDataset<D>) {
       return std::make_unique<detail::InlineMapSource<D, C>>(core_);

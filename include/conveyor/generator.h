@@ -90,6 +90,10 @@ int64_t draw_seed(Generator& g);
 void randperm(std::span<size_t> out, Generator& g);
 std::vector<size_t> randperm(size_t n, Generator& g);
 
+// The first `prefix` entries of randperm(n, g), drawing exactly what the full
+// randperm draws (n - 1 values), without shuffling what is thrown away.
+std::vector<size_t> randperm_prefix(size_t n, size_t prefix, Generator& g);
+
 // torch.randint(low, high, (out.size(),), generator=g). Throws RuntimeError
 // unless low < high.
 void randint(int64_t low, int64_t high, std::span<int64_t> out, Generator& g);

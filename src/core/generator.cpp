@@ -149,6 +149,20 @@ std::vector<size_t> randperm(size_t n, Generator& g) {
   return out;
 }
 
+std::vector<size_t> randperm_prefix(size_t n, size_t prefix, Generator& g) {
+  if (prefix >= n) return randperm(n, g);
+  std::vector<size_t> out;
+  if (prefix > 0) {
+    out = randperm(n, g);  // positions < prefix are final after prefix steps; the rest
+    out.resize(prefix);    // of the shuffle never touches them, but draws must happen
+    return out;
+  }
+  if (n < 2) return out;
+  GeneratorLock draws(g);
+  for (size_t i = 0; i + 1 < n; ++i) draws.random();  // the draws of an unused randperm
+  return out;
+}
+
 // random_from_to: 32-bit draws while the range fits in 32 bits, else 64-bit.
 void randint(int64_t low, int64_t high, std::span<int64_t> out, Generator& g) {
   if (low >= high) {

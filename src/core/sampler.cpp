@@ -116,8 +116,11 @@ class RandomIterator final : public SamplerIterator<size_t> {
       randint(0, static_cast<int64_t>(data_size_), drawn, generator_);
       block_.assign(drawn.begin(), drawn.end());
     } else {
-      block_ = randperm(data_size_, generator_);
-      if (full_blocks_left_ == 0) block_.resize(num_samples_ % data_size_);
+      if (full_blocks_left_ > 0) {
+        block_ = randperm(data_size_, generator_);
+      } else {  // the remainder: often empty, but its randperm is drawn all the same
+        block_ = randperm_prefix(data_size_, num_samples_ % data_size_, generator_);
+      }
     }
     if (full_blocks_left_ > 0) {
       --full_blocks_left_;

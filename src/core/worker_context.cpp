@@ -2,26 +2,36 @@
 
 namespace conveyor {
 namespace {
-// Thread-local by nature: each thread runs at most one task at a time.
-thread_local const WorkerInfo* tls_worker_info = nullptr;
-thread_local Generator* tls_worker_generator = nullptr;
+// Thread-local by nature: the innermost scope of the task this thread runs.
+thread_local detail::WorkerScope* tls_scope = nullptr;
 }  // namespace
 
-const WorkerInfo* get_worker_info() noexcept { return tls_worker_info; }
+const WorkerInfo* get_worker_info() noexcept { return tls_scope ? tls_scope->info() : nullptr; }
 
 namespace detail {
 
-Generator* current_worker_generator() noexcept { return tls_worker_generator; }
-
-WorkerScope::WorkerScope(const WorkerInfo* info, Generator* generator) noexcept
-    : previous_info_(tls_worker_info), previous_generator_(tls_worker_generator) {
-  tls_worker_info = info;
-  tls_worker_generator = generator;
+Generator* current_worker_generator() {
+  return tls_scope ? tls_scope->generator() : nullptr;
 }
 
-WorkerScope::~WorkerScope() {
-  tls_worker_info = previous_info_;
-  tls_worker_generator = previous_generator_;
+WorkerScope::WorkerScope(const WorkerInfo* info, Generator* generator) noexcept
+    : info_(info), generator_(generator), previous_(tls_scope) {
+  tls_scope = this;
+}
+
+WorkerScope::WorkerScope(const WorkerInfo* info, uint64_t lazy_seed) noexcept
+    : info_(info), generator_(nullptr), lazy_seed_(lazy_seed), previous_(tls_scope) {
+  tls_scope = this;
+}
+
+WorkerScope::~WorkerScope() { tls_scope = previous_; }
+
+Generator* WorkerScope::generator() {
+  if (generator_ == nullptr) {
+    lazy_.emplace(lazy_seed_);
+    generator_ = &*lazy_;
+  }
+  return generator_;
 }
 
 }  // namespace detail

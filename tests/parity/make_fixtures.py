@@ -11,6 +11,7 @@ Line format, one case per line:   name|key=value;key=value|result
 """
 import math
 import os
+import re
 import sys
 import warnings
 
@@ -208,6 +209,63 @@ def loader_cases():
     w.close()
 
 
+class Draws(Dataset):
+    """Sample i: (i, a draw from the worker's default generator, worker id)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return (i, int(torch.randint(0, 1000000, (1,)).item()), -1 if info is None else info.id)
+
+
+class WorkerStreams(IterableDataset):
+    """Worker w yields lengths[w] samples (w*1000 + k, a draw, w)."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = 0 if info is None else info.id
+        for k in range(self.lengths[w]):
+            yield (w * 1000 + k, int(torch.randint(0, 1000000, (1,)).item()), w)
+
+
+def triples(batch):
+    ids, draws, workers = batch
+    return " ".join(f"{a}:{b}:{c}" for a, b, c in zip(ids.tolist(), draws.tolist(), workers.tolist()))
+
+
+def worker_cases():
+    """The threaded engine in round_robin mode must reproduce PyTorch's
+    workers: batch order, and values drawn inside the dataset."""
+    w = Writer("workers.txt")
+    for seed in [0, 5, 2**32 + 3]:
+        for workers, n, bs, shuffle, drop_last, persistent in [
+                (1, 10, 3, True, False, False), (2, 17, 4, True, False, False), (3, 20, 3, True, True, False),
+                (2, 9, 2, False, False, False), (3, 30, 4, True, False, True), (2, 12, 5, True, False, True)]:
+            loader = DataLoader(Draws(n), batch_size=bs, shuffle=shuffle, drop_last=drop_last, num_workers=workers,
+                                generator=gen(seed), persistent_workers=persistent)
+            eps = []
+            for _ in range(3):
+                eps.append(",".join(triples(b) for b in loader))
+            w.add("map", params(seed=seed, workers=workers, n=n, batch_size=bs, shuffle=int(shuffle),
+                                drop_last=int(drop_last), persistent=int(persistent)), "/".join(eps))
+        for workers, lengths, bs, drop_last in [(2, [5, 3], 2, False), (3, [5, 1, 8], 2, False),
+                                                (3, [5, 1, 8], 2, True), (2, [0, 4], 3, False), (4, [3, 3, 3, 3], 2, True)]:
+            loader = DataLoader(WorkerStreams(lengths), batch_size=bs, drop_last=drop_last, num_workers=workers,
+                                generator=gen(seed))
+            eps = [",".join(triples(b) for b in loader) for _ in range(2)]
+            w.add("iterable", params(seed=seed, workers=workers, lengths=flat(lengths), batch_size=bs,
+                                     drop_last=int(drop_last)), "/".join(eps))
+    w.close()
+
+
 class Stream(IterableDataset):
     def __iter__(self):
         return iter(range(4))
@@ -225,7 +283,8 @@ def error_cases():
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - recording whatever PyTorch raises
-            w.add(name, params(mode=mode), f"{type(e).__name__}: {e}")
+            message = re.sub(r" object at 0x[0-9a-f]+", " object", str(e))  # stable across runs
+            w.add(name, params(mode=mode), f"{type(e).__name__}: {message}")
             return
         raise AssertionError(f"{name}: PyTorch raised nothing")
 
@@ -279,6 +338,7 @@ def main():
     weights_sets = generator_cases()
     sampler_cases(weights_sets)
     loader_cases()
+    worker_cases()
     error_cases()
 
 

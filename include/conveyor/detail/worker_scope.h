@@ -2,27 +2,40 @@
 // thread for the duration of a task. Used by the loader; not user API.
 #pragma once
 
+#include <cstdint>
+#include <optional>
+
 #include "conveyor/generator.h"
 #include "conveyor/worker_info.h"
 
 namespace conveyor::detail {
 
 // The generator default_generator() returns on this thread, or nullptr.
-Generator* current_worker_generator() noexcept;
+Generator* current_worker_generator();
 
 // While alive, get_worker_info() returns `info` and default_generator()
-// returns `generator` on this thread; restores the previous binding on exit,
-// so scopes nest (a task running inside another task's parallel_for).
+// returns the scope's generator on this thread; restores the previous binding
+// on exit, so scopes nest (a task run inside another task's parallel_for).
+// Thread-confined: created and destroyed on one thread.
 class WorkerScope {
  public:
   WorkerScope(const WorkerInfo* info, Generator* generator) noexcept;
+  // A generator seeded `lazy_seed`, built only if the task asks for it:
+  // seeding MT19937 costs more than a small batch.
+  WorkerScope(const WorkerInfo* info, uint64_t lazy_seed) noexcept;
   ~WorkerScope();
   WorkerScope(const WorkerScope&) = delete;
   WorkerScope& operator=(const WorkerScope&) = delete;
 
+  const WorkerInfo* info() const noexcept { return info_; }
+  Generator* generator();
+
  private:
-  const WorkerInfo* previous_info_;
-  Generator* previous_generator_;
+  const WorkerInfo* info_;
+  Generator* generator_;
+  uint64_t lazy_seed_ = 0;
+  std::optional<Generator> lazy_;
+  WorkerScope* previous_;
 };
 
 }  // namespace conveyor::detail

@@ -23,6 +23,12 @@ int main() {
     }
   }
   if (batches != loader.size()) return 1;
+  // The Python-style iterator, with a worker thread.
+  conveyor::DataLoader threaded(dataset, {.batch_size = 8, .shuffle = true, .num_workers = 2, .seed = 7});
+  auto epoch = threaded.iter();
+  size_t threaded_batches = 0;
+  while (auto batch = epoch.next()) threaded_batches += batch->numel() > 0 ? 1 : 0;
+  if (threaded_batches != batches) return 1;
   std::printf("consumer: %zu batches from conveyor %s\n", batches, CONVEYOR_VERSION_STRING);
   return 0;
 }

@@ -1,0 +1,207 @@
+// conveyor/detail/loader_core.h: what a DataLoader's epochs share (dataset,
+// collate function, resolved plan), and the in-thread batch sources used
+// when num_workers == 0.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "conveyor/collate.h"
+#include "conveyor/dataset.h"
+#include "conveyor/detail/failure.h"
+#include "conveyor/detail/loader_plan.h"
+#include "conveyor/errors.h"
+#include "conveyor/sampler.h"
+
+namespace conveyor::detail {
+
+
+// A collate function that declares `static constexpr bool takes_one_sample =
+// true` (like DefaultConvert) is only ever called with single samples.
+template <class C>
+concept OneSampleCollate = requires {
+  requires C::takes_one_sample;
+};
+
+// What a collate function C makes of samples of type T: from a vector of
+// samples when it takes one (auto-batching), else from a single sample. A
+// function taking both serves both modes when it returns the same type.
+template <class T, class C>
+struct batch_of {
+  static constexpr bool kTakesBatch =
+      !OneSampleCollate<C> && std::invocable<const C&, std::vector<T>&&>;
+  static constexpr bool kTakesSampleAtAll = std::invocable<const C&, T&&>;
+  static_assert(kTakesBatch || kTakesSampleAtAll,
+                "the collate function must take std::vector<Sample>&& (auto-batching) or "
+                "Sample&& (batch_size = std::nullopt)");
+  using type = std::remove_cvref_t<typename std::conditional_t<
+      kTakesBatch, std::invoke_result<const C&, std::vector<T>&&>,
+      std::invoke_result<const C&, T&&>>::type>;
+
+  static constexpr bool sample_result_fits() {
+    if constexpr (kTakesSampleAtAll) {
+      return std::is_same_v<std::remove_cvref_t<std::invoke_result_t<const C&, T&&>>, type>;
+    } else {
+      return false;
+    }
+  }
+  static constexpr bool kTakesSample = sample_result_fits();
+};
+
+// The seam between the loader and what produces its batches: in the
+// consumer's thread (num_workers == 0) or on the engine's workers.
+template <class Batch>
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  // The next batch, std::nullopt at the end of the epoch. A failed batch
+  // throws WorkerError at its position; the following call goes on after it.
+  virtual std::optional<Batch> next() = 0;
+};
+
+// Everything an epoch needs from its loader, shared so that an epoch (and
+// every task it started) keeps what it uses alive.
+template <class D, class C>
+class WorkerPool;
+
+template <class D, class C>
+struct LoaderCore {
+  using sample_type = sample_t<D>;
+  using batch_type = typename batch_of<sample_type, C>::type;
+
+  LoaderCore(std::shared_ptr<D> dataset_in, C collate_in, LoaderPlan plan_in)
+      : dataset(std::move(dataset_in)), collate(std::move(collate_in)), plan(std::move(plan_in)) {}
+
+  std::shared_ptr<D> dataset;
+  C collate;
+  LoaderPlan plan;
+  // len(loader) of an iterable dataset, once asked; for the "more batches
+  // than len()" warning. Consumer thread only.
+  std::optional<size_t> reported_length;
+  // The epoch the next pass runs as: set_epoch()'s value, else one more than
+  // the last. Consumer thread only.
+  uint64_t epoch = 0;
+  // persistent_workers: the base seed drawn by the first pass, and the pool
+  // every pass reuses. Consumer thread only. Declared last: the pool's
+  // workers stop before anything else here goes.
+  std::optional<int64_t> persistent_base_seed;
+  std::shared_ptr<WorkerPool<D, C>> persistent_pool;
+
+  // Fetch and collate one map-style batch. `stage` names the step running
+  // when an exception leaves.
+  batch_type make_batch(std::span<const size_t> indices, const char*& stage) const {
+    stage = "fetch";
+    if constexpr (batch_of<sample_type, C>::kTakesBatch) {
+      if (plan.auto_collation) {
+        std::vector<sample_type> samples = fetch(indices);
+        stage = "collate";
+        return collate(std::move(samples));
+      }
+    }
+    if constexpr (batch_of<sample_type, C>::kTakesSample) {
+      sample_type sample = dataset->get(indices.front());
+      stage = "collate";
+      return collate(std::move(sample));
+    }
+    throw TypeError("unreachable: the collate function does not fit the plan");
+  }
+
+  // Collate what an iterable replica produced.
+  batch_type collate_samples(std::vector<sample_type>&& samples) const {
+    if constexpr (batch_of<sample_type, C>::kTakesBatch) {
+      if (plan.auto_collation) return collate(std::move(samples));
+    }
+    if constexpr (batch_of<sample_type, C>::kTakesSample) {
+      return collate(std::move(samples.front()));
+    }
+    throw TypeError("unreachable: the collate function does not fit the plan");
+  }
+
+  std::vector<sample_type> fetch(std::span<const size_t> indices) const {
+    if constexpr (requires { dataset->get_batch(indices); }) {
+      return dataset->get_batch(indices);
+    } else {
+      std::vector<sample_type> samples;
+      samples.reserve(indices.size());
+      for (size_t index : indices) samples.push_back(dataset->get(index));
+      return samples;
+    }
+  }
+};
+
+// num_workers == 0, map-style: fetch and collate in the consumer's thread.
+template <class D, class C>
+class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
+ public:
+  using batch_type = typename LoaderCore<D, C>::batch_type;
+
+  explicit InlineMapSource(std::shared_ptr<const LoaderCore<D, C>> core)
+      : core_(std::move(core)), batches_(core_->plan.index_sampler->iter()) {}
+
+  std::optional<batch_type> next() override {
+    if (!batches_->next(indices_)) return std::nullopt;
+    const uint64_t seq = next_seq_++;
+    const char* stage = "fetch";
+    try {
+      return core_->make_batch(indices_, stage);
+    } catch (...) {
+      throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
+    }
+  }
+
+ private:
+  std::shared_ptr<const LoaderCore<D, C>> core_;
+  std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
+  BatchIndices indices_;
+  uint64_t next_seq_ = 0;
+};
+
+// num_workers == 0, iterable: one replica in the consumer's thread.
+template <class D, class C>
+class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
+ public:
+  using batch_type = typename LoaderCore<D, C>::batch_type;
+  using sample_type = typename LoaderCore<D, C>::sample_type;
+
+  explicit InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core)
+      : core_(std::move(core)), replica_(core_->dataset->iter(nullptr)) {}
+
+  std::optional<batch_type> next() override {
+    if (exhausted_) return std::nullopt;
+    const LoaderPlan& plan = core_->plan;
+    const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
+    const uint64_t seq = next_seq_++;
+    const char* stage = "iterate";
+    try {
+      std::vector<sample_type> samples;
+      samples.reserve(wanted);
+      while (samples.size() < wanted) {
+        std::optional<sample_type> sample = replica_->next();
+        if (!sample) {
+          exhausted_ = true;
+          break;
+        }
+        samples.push_back(std::move(*sample));
+      }
+      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) return std::nullopt;
+      stage = "collate";
+      return core_->collate_samples(std::move(samples));
+    } catch (...) {
+      throw_worker_error(std::current_exception(), FailureContext{-1, seq, {}, stage});
+    }
+  }
+
+ private:
+  std::shared_ptr<const LoaderCore<D, C>> core_;
+  std::unique_ptr<SampleIterator<sample_type>> replica_;
+  bool exhausted_ = false;
+  uint64_t next_seq_ = 0;
+};
+
+}  // namespace conveyor::detail

@@ -1,0 +1,687 @@
+// The threaded engine: a oneTBB task_arena of num_workers threads, moodycamel
+// queues for every hand-off, and a reorder window of `window` slots.
+//
+// Threads and what they own:
+//   consumer  the loader's thread. The only submitter and collector: owns
+//             ConsumerSide (sequence counters, slot bookkeeping, free list).
+//   workers   TBB threads in the arena. Run jobs; publish results into slots.
+//             A logical worker's state (generator, init result) is owned by
+//             whichever task currently drains that worker's queue (Strand);
+//             drains of one strand never overlap (the `pending` count).
+//
+// Window protocol (invariant 3 of DESIGN.md): the consumer submits only while
+// fewer than `window` jobs are in flight, so the slot a job gets is free. A
+// worker publishes with a store of the slot's turn = seq + 1; the consumer
+// waits for that turn. Sequence numbers are compared only for equality, so
+// they may wrap; a slot's previous turn (seq - k*window + 1) can never equal
+// the awaited one while window < 2^64.
+//
+// Parking: the consumer spins briefly, then parks on a LightweightSemaphore.
+// It raises `consumer_parked` before its last check; a worker signals after
+// publishing only if that flag is up. Two seq_cst fences make the pair
+// (store flag; check result) / (publish result; load flag) a Dekker
+// handshake: at least one side sees the other, so no wake-up is lost.
+#include "conveyor/detail/engine.h"
+
+#include <oneapi/tbb/global_control.h>
+#include <oneapi/tbb/info.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <concurrentqueue/concurrentqueue.h>
+#include <concurrentqueue/lightweightsemaphore.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conveyor/detail/check.h"
+#include "conveyor/detail/worker_scope.h"
+#include "conveyor/errors.h"
+#include "conveyor/warnings.h"
+
+#if defined(__SANITIZE_THREAD__)
+#define CONVEYOR_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define CONVEYOR_TSAN 1
+#endif
+#endif
+
+#if CONVEYOR_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
+namespace conveyor::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// ---- ThreadSanitizer and TBB -------------------------------------------------
+// libtbb is not built with TSan, so two things TBB synchronises are invisible
+// to it: handing a task from the thread that enqueues it to the worker that
+// runs it, and reusing a finished task's memory (TBB's small-object pool) for
+// the next one. Handoff announces both on one token: construction and the end
+// of destruction release; the start of construction and of the run acquire.
+// Outside TSan builds all of this compiles to nothing.
+#if CONVEYOR_TSAN
+char tsan_handoff_token;
+inline void tsan_release() { __tsan_release(&tsan_handoff_token); }
+inline void tsan_acquire() { __tsan_acquire(&tsan_handoff_token); }
+#else
+inline void tsan_release() {}
+inline void tsan_acquire() {}
+#endif
+
+// Runs first and last in a Handoff's life: base classes are built before and
+// destroyed after the members.
+struct HandoffFence {
+  HandoffFence() { tsan_acquire(); }
+  HandoffFence(const HandoffFence&) { tsan_acquire(); }
+  ~HandoffFence() { tsan_release(); }
+};
+
+template <class F>
+class Handoff : private HandoffFence {
+ public:
+  explicit Handoff(F f) : f_(std::move(f)) { tsan_release(); }
+  Handoff(Handoff&& other) noexcept : HandoffFence(), f_(std::move(other.f_)) { tsan_release(); }
+  Handoff(const Handoff& other) : HandoffFence(), f_(other.f_) { tsan_release(); }
+  Handoff& operator=(const Handoff&) = delete;
+  void operator()() const {
+    tsan_acquire();
+    f_();
+  }
+
+ private:
+  F f_;
+};
+
+// ---- TBB's thread limit ------------------------------------------------------
+// TBB runs at most max_allowed_parallelism - 1 worker threads in the whole
+// process (default: one per core). An I/O-bound loader wants more threads
+// than cores, so every live engine reserves its workers and the limit is
+// raised to cover all reservations (never lowered below the default).
+class ThreadReservations {
+ public:
+  static ThreadReservations& instance() {
+    static ThreadReservations reservations;
+    return reservations;
+  }
+
+  void acquire(size_t workers) {
+    std::lock_guard lock(mutex_);  // construction path only, not per batch
+    reserved_ += workers;
+    apply();
+  }
+  void release(size_t workers) noexcept {
+    std::lock_guard lock(mutex_);
+    reserved_ -= workers;
+    try {
+      apply();
+    } catch (...) {
+      // Keeping a higher limit than needed is harmless.
+    }
+  }
+
+ private:
+  void apply() {
+    const size_t wanted = std::max<size_t>(static_cast<size_t>(tbb::info::default_concurrency()),
+                                           reserved_ + 1);  // + 1: TBB counts the caller too
+    if (wanted == applied_) return;
+    // global_control values combine by minimum: install the new one before
+    // dropping the old, so the limit never dips in between.
+    auto next = std::make_unique<tbb::global_control>(
+        tbb::global_control::max_allowed_parallelism, wanted);
+    control_ = std::move(next);
+    applied_ = wanted;
+    const size_t active =
+        tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism);
+    if (active < wanted && !warned_) {
+      warned_ = true;
+      warn("TBB's max_allowed_parallelism is held at " + std::to_string(active) +
+           " by another tbb::global_control; DataLoader workers beyond " +
+           std::to_string(active - 1) + " will wait for a thread");
+    }
+  }
+
+  std::mutex mutex_;
+  size_t reserved_ = 0;
+  size_t applied_ = 0;
+  bool warned_ = false;
+  std::unique_ptr<tbb::global_control> control_;
+};
+
+class ThreadReservation {
+ public:
+  explicit ThreadReservation(size_t workers) : workers_(workers) {
+    ThreadReservations::instance().acquire(workers_);
+  }
+  ~ThreadReservation() { ThreadReservations::instance().release(workers_); }
+  ThreadReservation(const ThreadReservation&) = delete;
+  ThreadReservation& operator=(const ThreadReservation&) = delete;
+
+ private:
+  size_t workers_;
+};
+
+// splitmix64's finaliser: spreads (base_seed, epoch, batch) into a seed.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index) {
+  return mix(mix(mix(static_cast<uint64_t>(base_seed)) ^ epoch) ^ batch_index);
+}
+
+namespace {
+
+// One place in the reorder window. Written by the worker running its job,
+// read by the consumer. A line of its own: the consumer polls it.
+struct alignas(64) Slot {
+  // seq + 1 once the job of seq is done (run or skipped). (P1) release store
+  // by the worker, paired with the consumer's (C1) acquire load.
+  std::atomic<uint64_t> turn{0};
+};
+
+// For the timeout message only: when a slot's job started, on which worker.
+// Kept apart from Slot so that writing it does not disturb the consumer's
+// polling; written only when a timeout is configured. Relaxed: read after a
+// timeout, never used for control.
+struct alignas(64) SlotClock {
+  std::atomic<int64_t> started_ns{0};
+  std::atomic<int> running_worker{-1};
+};
+
+constexpr int kInitPending = 0;
+constexpr int kInitRunning = 1;
+constexpr int kInitDone = 2;
+
+// A logical worker's state. Owned by the task draining its Lane, or (work
+// stealing) by the thread occupying that arena slot.
+struct WorkerState {
+  WorkerInfo info;
+  Generator generator;
+  bool initialized = false;
+  std::exception_ptr init_failure;
+  // work_stealing: kInitPending, kInitRunning, kInitDone for this arena
+  // slot's worker_init_fn. Atomic: successive occupants of one slot may be
+  // different threads.
+  std::atomic<int> init_state{kInitPending};
+};
+
+// A queue of jobs and the drain tasks that empty it: at most one for a
+// logical worker's lane (its jobs run one at a time, in order), up to
+// num_workers for the shared lane of work_stealing.
+//
+// Activation (a Dekker handshake, like the consumer's parking): the consumer
+// enqueues, fences, and starts a drain task if fewer than max_drains run. A
+// drain task that finds the queue dry lingers briefly, then leaves: it drops
+// `drains`, fences, and re-checks the queue, taking itself back if a job
+// slipped in. Either side sees the other, so no job waits without a drain.
+struct Lane {
+  explicit Lane(uint32_t max) : max_drains(max) {}
+  moodycamel::ConcurrentQueue<Job> queue;
+  // Drain tasks running. acq_rel on every change: a leaving drain's release
+  // hands its WorkerState to the next one's acquire.
+  alignas(64) std::atomic<uint32_t> drains{0};
+  const uint32_t max_drains;
+  WorkerState worker;  // per-worker lanes only
+};
+
+// Everything a task may touch. Tasks hold a shared_ptr to it, so a task
+// finishing its epilogue never touches freed memory after the Engine is gone.
+struct Shared {
+  explicit Shared(const EngineConfig& c, TaskRunner& r) : config(c), runner(&r) {}
+
+  EngineConfig config;
+  TaskRunner* runner;  // outlives every job (the Engine waits for them)
+  std::unique_ptr<Slot[]> slots;
+  std::unique_ptr<SlotClock[]> clocks;
+  std::vector<std::unique_ptr<Lane>> lanes;  // one per worker, or one shared
+  std::vector<std::unique_ptr<WorkerState>> slot_workers;  // work_stealing, by arena slot
+  moodycamel::ConcurrentQueue<uint32_t> completed;         // !in_order: published slots
+
+  // Bumped by cancel(); jobs of older generations are skipped. The consumer's
+  // (release) bump is acquired by workers before deciding to run a job.
+  std::atomic<uint64_t> generation{0};
+
+  moodycamel::LightweightSemaphore wake;  // parks the consumer
+  alignas(64) std::atomic<bool> consumer_parked{false};
+
+  void publish(const Job& job) {
+    Slot& slot = slots[job.slot];
+    slot.turn.store(job.seq + 1, std::memory_order_release);  // (P1) pairs with (C1)
+    if (!config.in_order) completed.enqueue(job.slot);
+    // (P2) with the consumer's (C2): whichever runs second sees the other.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (consumer_parked.load(std::memory_order_relaxed)) wake.signal();
+  }
+
+  // `slot_owned`: the worker state belongs to an arena slot (work stealing)
+  // rather than to a lane.
+  void run_job(Job& job, WorkerState& worker, bool slot_owned) {
+    if (job.generation != generation.load(std::memory_order_acquire)) {
+      publish(job);  // cancelled: published empty, so cancel() knows it is done
+      return;
+    }
+    const bool timed = config.timeout.count() > 0;
+    if (timed) {
+      clocks[job.slot].running_worker.store(worker.info.id, std::memory_order_relaxed);
+      clocks[job.slot].started_ns.store(now_ns(), std::memory_order_relaxed);
+    }
+    {
+      std::optional<WorkerScope> scope;
+      if (config.per_batch_generators) {
+        scope.emplace(&worker.info, work_stealing_seed(job.base_seed, job.epoch, job.batch_index));
+      } else {
+        scope.emplace(&worker.info, &worker.generator);
+      }
+      ensure_initialized(worker, slot_owned);
+      runner->run(job, worker.info.id, worker.init_failure);
+    }
+    if (timed) clocks[job.slot].started_ns.store(0, std::memory_order_relaxed);
+    publish(job);  // the job's last touch of the runner is before this
+  }
+
+  void ensure_initialized(WorkerState& worker, bool slot_owned) {
+    if (!slot_owned) {
+      if (worker.initialized) return;
+      run_init(worker);
+      worker.initialized = true;
+      return;
+    }
+    // Slot-owned state: the first thread to claim it runs the init; any other
+    // waits until it is done. acq_rel/acquire: publishes init_failure.
+    int state = worker.init_state.load(std::memory_order_acquire);
+    if (state == kInitDone) return;
+    if (state == kInitPending &&
+        worker.init_state.compare_exchange_strong(state, kInitRunning, std::memory_order_acq_rel)) {
+      run_init(worker);
+      worker.init_state.store(kInitDone, std::memory_order_release);
+      worker.init_state.notify_all();
+      return;
+    }
+    while ((state = worker.init_state.load(std::memory_order_acquire)) != kInitDone) {
+      worker.init_state.wait(state, std::memory_order_acquire);
+    }
+  }
+
+  void run_init(WorkerState& worker) {
+    try {
+      runner->init_worker(worker.info.id);
+    } catch (...) {
+      worker.init_failure = std::current_exception();
+    }
+  }
+
+  WorkerState& worker_for(Lane& lane) {
+    if (config.per_worker_queues) return lane.worker;
+    // The arena slot identifies the worker. TBB may number an arena's slots
+    // beyond max_concurrency (a one-thread arena has two), but never has more
+    // than max_concurrency threads inside; ensure_initialized() tolerates two
+    // slots mapping to one state.
+    const int index = tbb::this_task_arena::current_thread_index();
+    CONVEYOR_CHECK(index >= 0, "a task ran outside the engine's arena");
+    return *slot_workers[static_cast<size_t>(index) % slot_workers.size()];
+  }
+};
+
+// Spins a drain task makes, when its queue runs dry, before giving the thread
+// back: a job arriving meanwhile then costs no new task (an arena.enqueue
+// costs more than a whole small batch).
+// Polls are spaced out: each poll of the queue pulls its index line away from
+// the consumer, who is about to write it.
+constexpr int kLingerPolls = 16;
+constexpr int kPausesPerPoll = 4;
+
+void drain(Shared& shared, Lane& lane) {
+  Job job;
+  while (true) {
+    bool found = lane.queue.try_dequeue(job);
+    for (int poll = 0; !found && poll < kLingerPolls; ++poll) {
+      for (int pause = 0; pause < kPausesPerPoll; ++pause) cpu_relax();
+      found = lane.queue.try_dequeue(job);
+    }
+    if (found) {
+      shared.run_job(job, shared.worker_for(lane), !shared.config.per_worker_queues);
+      continue;
+    }
+    // Leave, unless a job slipped in after the last look (see Lane).
+    lane.drains.fetch_sub(1, std::memory_order_acq_rel);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // (D1) pairs with (E1)
+    if (lane.queue.size_approx() == 0) return;
+    uint32_t running = lane.drains.load(std::memory_order_acquire);
+    while (true) {
+      if (running >= lane.max_drains) return;  // others will take it
+      if (lane.drains.compare_exchange_weak(running, running + 1, std::memory_order_acq_rel)) break;
+    }
+  }
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  Impl(const EngineConfig& config, TaskRunner& runner)
+      : reservation(config.num_workers),
+        shared(std::make_shared<Shared>(config, runner)),
+        arena(static_cast<int>(config.num_workers), /*reserved_for_masters=*/0) {
+    const size_t workers = config.num_workers;
+    const size_t window = config.window;
+    CONVEYOR_CHECK(workers > 0 && window > 0, "an engine needs workers and a window");
+    shared->slots = std::make_unique<Slot[]>(window);
+    shared->clocks = std::make_unique<SlotClock[]>(window);
+    for (size_t i = 0; i < window; ++i) {
+      // A turn no job of this engine can be waiting for: seqs start at first_seq.
+      shared->slots[i].turn.store(config.first_seq, std::memory_order_relaxed);
+    }
+    auto make_worker = [&](size_t id) {
+      auto worker = std::make_unique<WorkerState>();
+      worker->info = config.worker_prototype;
+      worker->info.id = static_cast<int>(id);
+      worker->info.num_workers = static_cast<int>(workers);
+      return worker;
+    };
+    if (config.per_worker_queues) {
+      for (size_t w = 0; w < workers; ++w) {
+        auto lane = std::make_unique<Lane>(1);
+        lane->worker.info = make_worker(w)->info;
+        shared->lanes.push_back(std::move(lane));
+      }
+    } else {
+      shared->lanes.push_back(std::make_unique<Lane>(static_cast<uint32_t>(workers)));
+      for (size_t w = 0; w < workers; ++w) shared->slot_workers.push_back(make_worker(w));
+    }
+    for (auto& lane : shared->lanes) producer_tokens.emplace_back(lane->queue);
+    meta.resize(window);
+    slot_indices.resize(window);
+    for (size_t i = window; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
+    next_seq = config.first_seq;
+    arena.initialize();
+  }
+
+  ~Impl() {
+    cancel();
+    // The arena's threads may still be finishing task epilogues; they hold
+    // `shared`, and task_arena only drops its reference here.
+  }
+
+  const EngineConfig& config() const { return shared->config; }
+
+  void begin_epoch(int64_t seed, uint64_t epoch_number) {
+    CONVEYOR_CHECK(in_flight == 0, "begin_epoch with batches in flight");
+    base_seed = seed;
+    epoch = epoch_number;
+    batch_index = 0;
+    ++pass;
+    const bool first = !seeded;
+    seeded = true;
+    if (config().per_worker_queues) {
+      for (size_t w = 0; w < shared->lanes.size(); ++w) {
+        WorkerState& worker = shared->lanes[w]->worker;
+        worker.info.seed = static_cast<uint64_t>(seed) + w;
+        // PyTorch seeds a worker once; persistent workers keep their stream.
+        if (first || !config().persistent) worker.generator = Generator(worker.info.seed);
+      }
+    }
+    for (size_t w = 0; w < shared->slot_workers.size(); ++w) {
+      shared->slot_workers[w]->info.seed = static_cast<uint64_t>(seed) + w;
+    }
+    // Workers read these after taking a job, which the consumer enqueued
+    // after writing them.
+  }
+
+  bool has_room() const { return in_flight < config().window; }
+
+  void submit(int worker, std::span<const size_t> indices) {
+    CONVEYOR_CHECK(has_room(), "submit into a full window");
+    uint32_t slot = 0;
+    if (config().in_order) {
+      slot = issue_slot;
+      issue_slot = static_cast<uint32_t>((issue_slot + 1) % config().window);
+    } else {
+      slot = free_slots.back();
+      free_slots.pop_back();
+    }
+    Job job;
+    job.seq = next_seq++;
+    job.batch_index = batch_index++;
+    job.slot = slot;
+    job.worker = worker;
+    job.generation = generation;
+    job.base_seed = base_seed;
+    job.epoch = epoch;
+    job.pass = pass;
+    BatchIndices& stored = slot_indices[slot];
+    stored.assign(indices.begin(), indices.end());
+    job.indices = stored;
+    meta[slot] = {job.seq, job.batch_index, slot, worker};
+    ++in_flight;
+    ++submitted;
+
+    size_t lane_index = 0;
+    if (config().per_worker_queues) {
+      CONVEYOR_CHECK(worker >= 0 && static_cast<size_t>(worker) < shared->lanes.size(),
+                     "job for a worker that does not exist");
+      lane_index = static_cast<size_t>(worker);
+    }
+    Lane& lane = *shared->lanes[lane_index];
+    lane.queue.enqueue(producer_tokens[lane_index], std::move(job));
+    // Start a drain task if the lane has room for one (see Lane).
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // (E1) pairs with (D1)
+    uint32_t running = lane.drains.load(std::memory_order_acquire);
+    while (running < lane.max_drains) {
+      if (lane.drains.compare_exchange_weak(running, running + 1, std::memory_order_acq_rel)) {
+        arena.enqueue(Handoff([keep = shared, &lane] { drain(*keep, lane); }));
+        break;
+      }
+    }
+  }
+
+  // Spins, then parks until `ready()` holds or the timeout passes.
+  template <class Ready>
+  bool wait_until(Ready ready, Clock::time_point deadline, bool has_deadline) {
+    for (int spin = 0; spin < kSpins; ++spin) {
+      if (ready()) return true;
+      cpu_relax();
+    }
+    while (true) {
+      shared->consumer_parked.store(true, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // (C2) pairs with (P2)
+      if (ready()) {
+        shared->consumer_parked.store(false, std::memory_order_relaxed);
+        return true;
+      }
+      int64_t timeout_us = -1;
+      if (has_deadline) {
+        const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        timeout_us = std::max<int64_t>(left.count(), 1);
+      }
+      shared->wake.wait(timeout_us);
+      shared->consumer_parked.store(false, std::memory_order_relaxed);
+      if (ready()) return true;
+      if (has_deadline && Clock::now() >= deadline) return false;
+    }
+  }
+
+  ReadyBatch wait_ready() {
+    CONVEYOR_CHECK(in_flight > 0, "wait_ready with nothing in flight");
+    const auto timeout = config().timeout;
+    const bool has_deadline = timeout.count() > 0;
+    const auto deadline = has_deadline ? Clock::now() + timeout : Clock::time_point::max();
+    if (config().in_order) {
+      const uint32_t slot = expect_slot;
+      const uint64_t turn = meta[slot].seq + 1;
+      std::atomic<uint64_t>& published = shared->slots[slot].turn;
+      const auto ready = [&] {
+        return published.load(std::memory_order_acquire) == turn;  // (C1) pairs with (P1)
+      };
+      if (!wait_until(ready, deadline, has_deadline)) throw_timeout(slot);
+      return meta[slot];
+    }
+    uint32_t slot = 0;
+    const auto ready = [&] { return shared->completed.try_dequeue(slot); };
+    if (!wait_until(ready, deadline, has_deadline)) throw_timeout(oldest_in_flight());
+    // The queue delivered the slot after its turn was stored; check anyway.
+    CONVEYOR_CHECK(shared->slots[slot].turn.load(std::memory_order_acquire) == meta[slot].seq + 1,
+                   "a completed slot without its turn");
+    return meta[slot];
+  }
+
+  uint32_t oldest_in_flight() const {
+    uint32_t oldest = 0;
+    uint64_t best = UINT64_MAX;
+    for (uint32_t s = 0; s < meta.size(); ++s) {
+      if (!slot_in_flight(s)) continue;
+      const uint64_t age = meta[s].batch_index;
+      if (age < best) {
+        best = age;
+        oldest = s;
+      }
+    }
+    return oldest;
+  }
+
+  [[noreturn]] void throw_timeout(uint32_t slot) const {
+    const SlotClock& s = shared->clocks[slot];
+    const ReadyBatch& m = meta[slot];
+    const double timeout_s = std::chrono::duration<double>(config().timeout).count();
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+    std::string message = "DataLoader timed out after " + std::string(seconds) +
+                          " seconds waiting for batch " + std::to_string(m.batch_index);
+    const int64_t started = s.started_ns.load(std::memory_order_relaxed);
+    const int running = s.running_worker.load(std::memory_order_relaxed);
+    if (started != 0) {
+      char held[32];
+      std::snprintf(held, sizeof held, "%.3f", static_cast<double>(now_ns() - started) / 1e9);
+      message += " (worker " + std::to_string(running) + " has been on it for " + held + " s)";
+    } else if (m.worker >= 0) {
+      message += " (queued for worker " + std::to_string(m.worker) + ", not started)";
+    } else {
+      message += " (queued, not started)";
+    }
+    message += "; " + std::to_string(in_flight) + " batches in flight";
+    throw TimeoutError(message);
+  }
+
+  void release(const ReadyBatch& ready) {
+    CONVEYOR_CHECK(in_flight > 0, "release with nothing in flight");
+    if (config().in_order) {
+      CONVEYOR_CHECK(ready.slot == expect_slot, "in-order release out of order");
+      expect_slot = static_cast<uint32_t>((expect_slot + 1) % config().window);
+    } else {
+      free_slots.push_back(ready.slot);
+    }
+    --in_flight;
+    ++released;
+  }
+
+  // Every job publishes its slot exactly once, run or skipped; so once each
+  // in-flight slot shows its turn, no job of this pass touches the runner any
+  // more (nothing but the publication itself follows a run).
+  void cancel() noexcept {
+    if (in_flight == 0) return;
+    generation = shared->generation.fetch_add(1, std::memory_order_acq_rel) + 1;
+    for (uint32_t slot = 0; slot < meta.size(); ++slot) {
+      if (!slot_in_flight(slot)) continue;
+      std::atomic<uint64_t>& turn = shared->slots[slot].turn;
+      const uint64_t want = meta[slot].seq + 1;
+      wait_until([&] { return turn.load(std::memory_order_acquire) == want; },  // (C1)
+                 Clock::time_point::max(), false);
+    }
+    uint32_t drained = 0;
+    while (shared->completed.try_dequeue(drained)) {
+    }
+    for (uint32_t s = 0; s < config().window; ++s) shared->runner->clear(s);
+    free_slots.clear();
+    for (size_t i = config().window; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
+    issue_slot = expect_slot = 0;
+    released += in_flight;
+    in_flight = 0;
+  }
+
+  // Whether `slot` holds a job submitted and not yet released.
+  bool slot_in_flight(uint32_t slot) const {
+    if (!config().in_order) {
+      return std::find(free_slots.begin(), free_slots.end(), slot) == free_slots.end();
+    }
+    // In order, the in-flight slots are the in_flight ones from expect_slot on.
+    const size_t window = config().window;
+    const size_t offset = (slot + window - expect_slot) % window;
+    return offset < in_flight;
+  }
+
+  static constexpr int kSpins = 256;
+
+  ThreadReservation reservation;
+  std::shared_ptr<Shared> shared;
+  tbb::task_arena arena;
+
+  // ---- consumer thread only ----
+  std::vector<moodycamel::ProducerToken> producer_tokens;  // by lane
+  std::vector<ReadyBatch> meta;  // by slot: what was submitted there
+  // By slot: the job's indices. Written by the consumer before the job is
+  // queued, read by the job; the slot is not reused before its release.
+  std::vector<BatchIndices> slot_indices;
+  std::vector<uint32_t> free_slots;
+  uint64_t next_seq = 0;
+  uint64_t batch_index = 0;
+  uint64_t generation = 0;
+  int64_t base_seed = 0;
+  uint64_t epoch = 0;
+  uint64_t pass = 0;
+  bool seeded = false;
+  uint32_t issue_slot = 0;
+  uint32_t expect_slot = 0;
+  size_t in_flight = 0;
+  uint64_t submitted = 0;
+  uint64_t released = 0;
+};
+
+Engine::Engine(const EngineConfig& config, TaskRunner& runner)
+    : impl_(std::make_unique<Impl>(config, runner)) {}
+Engine::~Engine() = default;
+
+void Engine::begin_epoch(int64_t base_seed, uint64_t epoch) { impl_->begin_epoch(base_seed, epoch); }
+bool Engine::has_room() const noexcept { return impl_->has_room(); }
+void Engine::submit(int worker, std::span<const size_t> indices) { impl_->submit(worker, indices); }
+ReadyBatch Engine::wait_ready() { return impl_->wait_ready(); }
+void Engine::release(const ReadyBatch& ready) noexcept { impl_->release(ready); }
+void Engine::cancel() noexcept { impl_->cancel(); }
+size_t Engine::num_workers() const noexcept { return impl_->config().num_workers; }
+uint64_t Engine::cancellations() const noexcept {
+  // Relaxed: a counter for observers; nothing is published through it.
+  return impl_->shared->generation.load(std::memory_order_relaxed);
+}
+
+EngineStats Engine::stats() const noexcept {
+  return {impl_->in_flight, impl_->config().window, impl_->submitted, impl_->released};
+}
+
+}  // namespace conveyor::detail

@@ -1,0 +1,272 @@
+// The engine on its own: forced completion orders, wraparound, timeouts,
+// cancellation. Orders are forced with gates (atomic waits), never sleeps.
+#include <gtest/gtest.h>
+
+#include <conveyor/detail/engine.h>
+#include <conveyor/errors.h>
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/sync.h"
+
+namespace {
+
+using conveyor::detail::Engine;
+using conveyor::detail::EngineConfig;
+using conveyor::detail::Job;
+using conveyor::detail::ReadyBatch;
+using conveyor::testing::Counter;
+using conveyor::testing::Gates;
+using conveyor::testing::OrderLog;
+
+// Each job waits at the gate of its batch index, then records its result:
+// the batch index, in the job's slot.
+class GatedRunner final : public conveyor::detail::TaskRunner {
+ public:
+  GatedRunner(size_t window, size_t jobs) : gates(jobs), results(window) {}
+  void init_worker(int) override {}
+  void run(Job& job, int, const std::exception_ptr&) noexcept override {
+    entered.record(job.batch_index);
+    gates.wait(job.batch_index);
+    results[job.slot] = job.batch_index;
+    completed.record(job.batch_index);
+  }
+  void clear(uint32_t slot) noexcept override { results[slot].reset(); }
+
+  Gates gates;
+  std::vector<std::optional<uint64_t>> results;
+  OrderLog entered;
+  OrderLog completed;
+};
+
+EngineConfig config(size_t workers, size_t window, bool in_order) {
+  EngineConfig c;
+  c.num_workers = workers;
+  c.window = window;
+  c.in_order = in_order;
+  c.per_worker_queues = true;
+  return c;
+}
+
+// Opens the gates in `order`, each only after the previous job completed, so
+// the workers finish in exactly that order.
+std::thread force_completion_order(GatedRunner& runner, std::vector<uint64_t> order) {
+  return std::thread([&runner, order] {
+    for (size_t i = 0; i < order.size(); ++i) {
+      runner.gates.open(order[i]);
+      runner.completed.wait_for(i + 1);
+    }
+  });
+}
+
+std::vector<uint64_t> collect(Engine& engine, GatedRunner& runner, size_t count,
+                              Counter* delivered = nullptr) {
+  std::vector<uint64_t> got;
+  for (size_t i = 0; i < count; ++i) {
+    const ReadyBatch ready = engine.wait_ready();
+    if (delivered) delivered->bump();
+    EXPECT_TRUE(runner.results[ready.slot].has_value());
+    EXPECT_EQ(*runner.results[ready.slot], ready.batch_index);
+    got.push_back(ready.batch_index);
+    runner.clear(ready.slot);
+    engine.release(ready);
+  }
+  return got;
+}
+
+const std::vector<uint64_t> kForced = {3, 7, 0, 5, 1, 6, 2, 4};
+
+TEST(Engine, InOrderDeliversSamplerOrderWhateverTheCompletionOrder) {
+  GatedRunner runner(8, 8);
+  Engine engine(config(8, 8, true), runner);
+  engine.begin_epoch(0, 0);
+  for (int k = 0; k < 8; ++k) engine.submit(k % 8, {});
+  std::thread opener = force_completion_order(runner, kForced);
+  const auto got = collect(engine, runner, 8);
+  opener.join();
+  EXPECT_EQ(runner.completed.order(), kForced);  // the workers really finished in that order
+  EXPECT_EQ(got, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+}
+
+TEST(Engine, OutOfOrderDeliversEachBatchOnceAsItCompletes) {
+  GatedRunner runner(8, 8);
+  Engine engine(config(8, 8, false), runner);
+  engine.begin_epoch(0, 0);
+  for (int k = 0; k < 8; ++k) engine.submit(k % 8, {});
+  // Here a job counts as finished once the consumer has it: the next gate
+  // opens only then, so publication follows the forced order too.
+  Counter delivered;
+  std::thread opener([&] {
+    for (size_t i = 0; i < kForced.size(); ++i) {
+      runner.gates.open(kForced[i]);
+      delivered.wait_for(i + 1);
+    }
+  });
+  const auto got = collect(engine, runner, 8, &delivered);
+  opener.join();
+  EXPECT_EQ(got, kForced);
+}
+
+TEST(Engine, WindowRefillsAsTheConsumerReleases) {
+  // 32 jobs through a window of 4 on 2 workers; completions forced in reverse
+  // within each window's worth.
+  const size_t total = 32, window = 4;
+  GatedRunner runner(window, total);
+  Engine engine(config(2, window, true), runner);
+  engine.begin_epoch(0, 0);
+  std::vector<uint64_t> got;
+  size_t submitted = 0;
+  while (got.size() < total) {
+    while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2), {});
+    EXPECT_EQ(engine.stats().in_flight, std::min(window, total - got.size()));
+    if (submitted < total) {
+      EXPECT_FALSE(engine.has_room());
+    }
+    if (got.size() % window == 0) {
+      // Open this window's gates last-first.
+      for (size_t k = got.size() + window; k-- > got.size();) runner.gates.open(k);
+    }
+    const ReadyBatch ready = engine.wait_ready();
+    got.push_back(ready.batch_index);
+    runner.clear(ready.slot);
+    engine.release(ready);
+  }
+  for (size_t i = 0; i < total; ++i) EXPECT_EQ(got[i], i);
+}
+
+TEST(Engine, SequenceNumbersWrapSafely) {
+  for (bool in_order : {true, false}) {
+    SCOPED_TRACE(in_order ? "in order" : "out of order");
+    const size_t total = 200;
+    GatedRunner runner(3, total);
+    runner.gates.open_all();
+    EngineConfig c = config(2, 3, in_order);
+    c.first_seq = std::numeric_limits<uint64_t>::max() - 7;  // wraps after 8 jobs
+    Engine engine(c, runner);
+    engine.begin_epoch(0, 0);
+    std::vector<uint64_t> got;
+    std::vector<uint64_t> seqs;
+    size_t submitted = 0;
+    while (got.size() < total) {
+      while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2), {});
+      const ReadyBatch ready = engine.wait_ready();
+      got.push_back(ready.batch_index);
+      seqs.push_back(ready.seq);
+      runner.clear(ready.slot);
+      engine.release(ready);
+    }
+    std::vector<uint64_t> sorted = got;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < total; ++i) EXPECT_EQ(sorted[i], i);
+    if (in_order) {
+      EXPECT_EQ(got, sorted);
+      EXPECT_EQ(seqs.front(), std::numeric_limits<uint64_t>::max() - 7);
+      EXPECT_EQ(seqs[8], 0u);  // really wrapped
+    }
+  }
+}
+
+TEST(Engine, TimeoutNamesTheBatchItsWorkerAndTheLoadThenTheWaitCanResume) {
+  GatedRunner runner(2, 2);
+  EngineConfig c = config(1, 2, true);
+  c.timeout = std::chrono::milliseconds(50);
+  Engine engine(c, runner);
+  engine.begin_epoch(0, 0);
+  engine.submit(0, {});
+  engine.submit(0, {});
+  runner.entered.wait_for(1);  // worker 0 is inside batch 0
+  try {
+    engine.wait_ready();
+    FAIL() << "no timeout";
+  } catch (const conveyor::TimeoutError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("DataLoader timed out after 0.05 seconds waiting for batch 0"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("worker 0 has been on it for"), std::string::npos) << message;
+    EXPECT_NE(message.find("2 batches in flight"), std::string::npos) << message;
+  }
+  runner.gates.open_all();
+  EXPECT_EQ(collect(engine, runner, 2), (std::vector<uint64_t>{0, 1}));
+}
+
+TEST(Engine, CancelSkipsQueuedJobsWaitsForTheRunningOneAndLeavesTheEngineUsable) {
+  const size_t window = 4;
+  GatedRunner runner(window, 16);
+  Engine engine(config(1, window, true), runner);
+  engine.begin_epoch(0, 0);
+  for (int k = 0; k < 4; ++k) engine.submit(0, {});
+  runner.entered.wait_for(1);  // job 0 runs; 1..3 wait behind it on worker 0
+  std::thread opener([&] {
+    // Let job 0 finish only once the cancellation has begun: then jobs 1..3
+    // must be skipped (their gates stay shut, so running one would hang).
+    while (engine.cancellations() == 0) std::this_thread::yield();
+    runner.gates.open(0);
+  });
+  engine.cancel();  // returns only after job 0 finished
+  opener.join();
+  EXPECT_EQ(runner.completed.order(), (std::vector<uint64_t>{0}));
+  EXPECT_EQ(engine.stats().in_flight, 0u);
+  for (const auto& r : runner.results) EXPECT_FALSE(r.has_value());
+
+  engine.begin_epoch(1, 1);  // the next pass starts at batch 0 again
+  for (size_t k = 0; k < 4; ++k) runner.gates.open(k);
+  for (int k = 0; k < 4; ++k) engine.submit(0, {});
+  EXPECT_EQ(collect(engine, runner, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
+}
+
+TEST(Engine, DestructionMidEpochWaitsForRunningJobs) {
+  GatedRunner runner(4, 4);
+  std::thread opener;
+  {
+    Engine engine(config(2, 4, false), runner);
+    engine.begin_epoch(0, 0);
+    for (int k = 0; k < 4; ++k) engine.submit(k % 2, {});
+    runner.entered.wait_for(2);  // both workers are inside a job
+    opener = std::thread([&] { runner.gates.open_all(); });
+  }  // ~Engine: waits for what runs; what was still queued is skipped
+  opener.join();
+  // Nothing runs after the engine is gone: every job that started finished.
+  const auto entered = runner.entered.order();
+  const auto done = runner.completed.order();
+  EXPECT_EQ(entered.size(), done.size());
+  EXPECT_GE(done.size(), 2u);
+}
+
+TEST(Engine, WorkStealingRunsJobsOnAnyWorkerInSubmissionOrder) {
+  const size_t total = 64;
+  GatedRunner runner(8, total);
+  runner.gates.open_all();
+  EngineConfig c = config(4, 8, true);
+  c.per_worker_queues = false;
+  c.per_batch_generators = true;
+  Engine engine(c, runner);
+  engine.begin_epoch(0, 0);
+  std::vector<uint64_t> got;
+  size_t submitted = 0;
+  while (got.size() < total) {
+    while (engine.has_room() && submitted < total) {
+      engine.submit(-1, {});
+      ++submitted;
+    }
+    const ReadyBatch ready = engine.wait_ready();
+    got.push_back(ready.batch_index);
+    runner.clear(ready.slot);
+    engine.release(ready);
+  }
+  for (size_t i = 0; i < total; ++i) EXPECT_EQ(got[i], i);
+}
+
+TEST(Engine, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {
+  using conveyor::detail::work_stealing_seed;
+  EXPECT_EQ(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 1, 9));
+  EXPECT_NE(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 1, 10));
+  EXPECT_NE(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 2, 9));
+  EXPECT_NE(work_stealing_seed(5, 1, 9), work_stealing_seed(6, 1, 9));
+}
+
+}  // namespace

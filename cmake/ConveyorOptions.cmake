@@ -25,3 +25,13 @@ if(_conveyor_sanitize_flags)
   add_compile_options(${_conveyor_sanitize_flags} -fno-omit-frame-pointer -Wno-maybe-uninitialized)
   add_link_options(${_conveyor_sanitize_flags})
 endif()
+
+# libFuzzer builds: coverage instrumentation and ASan on everything; the
+# fuzzer executables add -fsanitize=fuzzer (tests/fuzz).
+if(CONVEYOR_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "CONVEYOR_BUILD_FUZZERS needs clang (CXX=clang++), not ${CMAKE_CXX_COMPILER_ID}")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link,address -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=address)
+endif()

@@ -5,6 +5,7 @@
 #include "conveyor/array.h"
 #include "conveyor/buffer.h"
 #include "conveyor/collate.h"
+#include "conveyor/data_error.h"
 #include "conveyor/data_loader.h"
 #include "conveyor/dataset.h"
 #include "conveyor/datasets.h"

@@ -188,6 +188,7 @@ class DataLoader {
   void set_epoch(uint64_t epoch) {
     core_->epoch = epoch;
     if (core_->plan.index_sampler) core_->plan.index_sampler->set_epoch(epoch);
+    if constexpr (requires(D& d) { d.set_epoch(epoch); }) core_->dataset->set_epoch(epoch);
   }
 
   const LoaderOptions& options() const noexcept { return options_; }

@@ -68,6 +68,10 @@ class IterableDataset {
 
   // The number of samples, if known (Python's optional __len__).
   virtual std::optional<size_t> size() const { return std::nullopt; }
+
+  // Called by DataLoader::set_epoch before the epoch's replicas are made:
+  // per-epoch shuffles (of shards, say) key on it.
+  virtual void set_epoch(uint64_t /*epoch*/) {}
 };
 
 // A SampleIterator over a callable returning std::optional<T>.

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <functional>
+#include <type_traits>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -14,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "conveyor/data_error.h"
 #include "conveyor/dataset.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
@@ -168,6 +172,75 @@ class StackDataset final : public Dataset<std::tuple<Ts...>> {
   std::tuple<std::shared_ptr<Dataset<Ts>>...> datasets_;
   size_t size_ = 0;
 };
+
+// A map-style dataset whose samples pass through `fn` (a decode, a
+// transform): sample i is fn(dataset.get(i)). `fn` runs on many workers at
+// once; random draws in it should use default_generator(), the worker's.
+template <class D, class F>
+class MappedDataset final
+    : public Dataset<std::remove_cvref_t<std::invoke_result_t<const F&, sample_t<D>&&>>> {
+ public:
+  using sample_type = std::remove_cvref_t<std::invoke_result_t<const F&, sample_t<D>&&>>;
+  MappedDataset(std::shared_ptr<D> dataset, F fn) : dataset_(std::move(dataset)), fn_(std::move(fn)) {}
+  size_t size() const override { return dataset_->size(); }
+  sample_type get(size_t index) override { return fn_(dataset_->get(index)); }
+  D& inner() const noexcept { return *dataset_; }
+
+ private:
+  std::shared_ptr<D> dataset_;
+  F fn_;
+};
+
+// An iterable dataset whose samples pass through `fn`. With OnError::skip, a
+// sample whose `fn` throws DataError is dropped and counted in skipped();
+// any other exception propagates.
+template <class D, class F>
+class MappedIterable final
+    : public IterableDataset<std::remove_cvref_t<std::invoke_result_t<const F&, sample_t<D>&&>>> {
+ public:
+  using sample_type = std::remove_cvref_t<std::invoke_result_t<const F&, sample_t<D>&&>>;
+  MappedIterable(std::shared_ptr<D> dataset, F fn, OnError on_error)
+      : dataset_(std::move(dataset)), fn_(std::move(fn)), on_error_(on_error) {}
+
+  std::unique_ptr<SampleIterator<sample_type>> iter(const WorkerInfo* worker) override {
+    return make_sample_iterator<sample_type>(
+        [this, inner = dataset_->iter(worker)]() mutable -> std::optional<sample_type> {
+          while (auto sample = inner->next()) {
+            if (on_error_ == OnError::raise) return fn_(std::move(*sample));
+            try {
+              return fn_(std::move(*sample));
+            } catch (const DataError&) {
+              // Relaxed: a statistic, read after the epoch.
+              skipped_.fetch_add(1, std::memory_order_relaxed);
+            }
+          }
+          return std::nullopt;
+        });
+  }
+  std::optional<size_t> size() const override { return dataset_->size(); }
+  void set_epoch(uint64_t epoch) override { dataset_->set_epoch(epoch); }
+
+  // Samples dropped under OnError::skip, all epochs together.
+  uint64_t skipped() const noexcept { return skipped_.load(std::memory_order_relaxed); }
+  D& inner() const noexcept { return *dataset_; }
+
+ private:
+  std::shared_ptr<D> dataset_;
+  F fn_;
+  OnError on_error_;
+  std::atomic<uint64_t> skipped_{0};
+};
+
+// map(dataset, fn): MappedDataset or MappedIterable, by the dataset's kind.
+template <MapStyleDataset D, class F>
+std::shared_ptr<MappedDataset<D, F>> map(std::shared_ptr<D> dataset, F fn) {
+  return std::make_shared<MappedDataset<D, F>>(std::move(dataset), std::move(fn));
+}
+template <IterableStyleDataset D, class F>
+std::shared_ptr<MappedIterable<D, F>> map(std::shared_ptr<D> dataset, F fn,
+                                          OnError on_error = OnError::raise) {
+  return std::make_shared<MappedIterable<D, F>>(std::move(dataset), std::move(fn), on_error);
+}
 
 namespace detail {
 // random_split's lengths: fractions (summing to 1) become counts, remainder

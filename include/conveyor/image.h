@@ -1,0 +1,49 @@
+// conveyor/image.h: JPEG (libturbojpeg) and PNG (libpng) decode and encode
+// (target conveyor::formats).
+//
+// Images are Array<uint8_t> of shape [C, H, W], channels first like
+// torchvision tensors, C = 1 (grey) or 3 (RGB). Decoding can write straight
+// into memory the caller owns (decode_*_into), e.g. a slot of a batch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "conveyor/array.h"
+
+namespace conveyor {
+
+enum class ImageFormat { jpeg, png, unknown };
+
+// By magic bytes.
+ImageFormat sniff_image_format(std::span<const uint8_t> bytes) noexcept;
+
+struct ImageInfo {
+  int width = 0;
+  int height = 0;
+  int channels = 0;  // as stored: 1 or 3 (PNG alpha is dropped when decoding)
+};
+
+// Reads the header only. Throws DataError naming `name` for anything that is
+// not a readable JPEG or PNG.
+ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& name);
+
+// Decodes into `out`, which must hold channels * height * width bytes, laid
+// out [C, H, W]. `channels` 0 keeps the stored count; 1 or 3 converts.
+// Throws DataError naming `name` for corrupt or truncated data, and
+// ValueError if `out` has the wrong size. Returns what was decoded.
+ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
+                            const std::string& name, int channels = 0);
+
+// Decodes into a new Array [C, H, W] (memory from allocate_batch_buffer()).
+Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name,
+                            int channels = 0);
+
+// Encodes an [C, H, W] image (C = 1 or 3). Throws ValueError for other shapes.
+std::vector<uint8_t> encode_jpeg(const Array<uint8_t>& image, int quality = 90);
+std::vector<uint8_t> encode_png(const Array<uint8_t>& image);
+
+}  // namespace conveyor

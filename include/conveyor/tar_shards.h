@@ -1,0 +1,98 @@
+// conveyor/tar_shards.h: WebDataset-style tar shards, read with libarchive
+// (target conveyor::formats).
+//
+// A shard is a tar file whose members are grouped into samples by key: the
+// member name up to its first '.' after the last '/' (000123.jpg and
+// 000123.cls are the fields "jpg" and "cls" of sample "000123"). Members of a
+// sample are consecutive in the archive.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/dataset.h"
+
+namespace conveyor {
+
+struct ShardSample {
+  std::string key;    // "000123"
+  std::string shard;  // the shard's path
+  std::map<std::string, std::vector<uint8_t>> fields;  // extension -> bytes ("jpg", "cls")
+};
+
+struct TarShardOptions {
+  std::vector<std::string> shards;  // paths; see expand_shard_pattern()
+  // Reshuffle the shard order every epoch (Generator(seed + epoch), the same
+  // on every rank), before shards are split across ranks and workers.
+  bool shuffle_shards = false;
+  uint64_t seed = 0;
+  // Shuffle samples through a buffer of this many (0: no shuffle), drawing
+  // from default_generator(): the worker's, so reproducible.
+  size_t shuffle_buffer = 0;
+  // Distributed training: this process takes shards rank, rank + R, ...;
+  // within it, worker w of W takes every W-th of those.
+  int64_t num_replicas = 1;
+  int64_t rank = 0;
+  // Every sample must have these fields; a sample missing one is an error.
+  std::vector<std::string> required_fields;
+  // raise: a malformed shard or sample throws DataError naming the shard,
+  // the member and the sample. skip: it is dropped and counted in skipped()
+  // (a truncated shard: its remaining samples are lost and counted as one).
+  OnError on_error = OnError::raise;
+};
+
+// An IterableDataset over tar shards. Each replica (one per worker) reads its
+// share of the shards in order, one shard open at a time.
+class TarShardDataset final : public IterableDataset<ShardSample> {
+ public:
+  // Throws ValueError for no shards, num_replicas < 1 or a rank outside
+  // [0, num_replicas - 1].
+  explicit TarShardDataset(TarShardOptions options);
+
+  std::unique_ptr<SampleIterator<ShardSample>> iter(const WorkerInfo* worker) override;
+  void set_epoch(uint64_t epoch) override;
+
+  // The shards replica (rank, worker) reads this epoch, in order.
+  std::vector<std::string> shards_for(const WorkerInfo* worker) const;
+  // Samples or shards dropped under OnError::skip, all epochs together.
+  uint64_t skipped() const noexcept;
+  const TarShardOptions& options() const noexcept { return options_; }
+
+ private:
+  TarShardOptions options_;
+  std::atomic<uint64_t> epoch_{0};
+  std::shared_ptr<std::atomic<uint64_t>> skipped_ = std::make_shared<std::atomic<uint64_t>>(0);
+};
+
+// "dir/train-{000000..000011}.tar" -> the 12 paths (zero padding kept); a
+// pattern without braces is returned as the one path. Throws ValueError for a
+// malformed range.
+std::vector<std::string> expand_shard_pattern(const std::string& pattern);
+
+// Writes samples into numbered shards of `samples_per_shard` samples each:
+// `prefix` + 6-digit shard number + ".tar". Members are written in field-name
+// order. Throws DataError naming the shard if a write fails.
+class TarShardWriter {
+ public:
+  TarShardWriter(std::string prefix, size_t samples_per_shard);
+  ~TarShardWriter();  // finishes the open shard; never throws (call close() to see errors)
+  TarShardWriter(const TarShardWriter&) = delete;
+  TarShardWriter& operator=(const TarShardWriter&) = delete;
+
+  void write(const std::string& key, const std::map<std::string, std::vector<uint8_t>>& fields);
+  // Finishes the open shard. Returns the paths of every shard written.
+  std::vector<std::string> close();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace conveyor

@@ -46,6 +46,10 @@ class IdxFile {
   const std::string& name() const noexcept { return name_; }
 
  private:
+  // Validates the IDX header of a whole (decompressed) file and takes the
+  // buffer over; open() and parse() share it.
+  static IdxFile from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer, const std::string& name);
+
   std::string name_;
   uint8_t type_code_ = 0;
   std::vector<int64_t> dims_;

@@ -4,6 +4,25 @@
 // Images are Array<uint8_t> of shape [C, H, W], channels first like
 // torchvision tensors, C = 1 (grey) or 3 (RGB). Decoding can write straight
 // into memory the caller owns (decode_*_into), e.g. a slot of a batch.
+//
+// What decoding does with the less common cases, matching PIL's
+// Image.open(...).convert("RGB" / "L") and torchvision's decode_png:
+// - PNG alpha (an alpha channel or tRNS transparency) is dropped, not
+//   composited: the stored colour comes back, even under alpha 0. 16-bit
+//   samples are scaled to 8 bits (round(v / 257); PIL truncates, v >> 8).
+//   Palette PNGs are expanded to RGB. A gAMA chunk is ignored (libpng alone
+//   would gamma-correct by it).
+// - CMYK/YCCK JPEGs are converted to RGB as PIL converts them (Adobe,
+//   inverted CMYK).
+// - RGB -> grey is ITU-R 601 luma with libjpeg's (and PIL's) fixed-point
+//   constants; a colour JPEG read as grey is libjpeg's Y channel, as
+//   torchvision's decode_jpeg(mode=GRAY) gives it. Grey -> RGB repeats the
+//   plane.
+// - A JPEG whose entropy-coded data is damaged (truncated, bad Huffman code,
+//   stray restart marker) is a DataError, although libjpeg only warns and
+//   fills the gap with grey. Extra bytes just before the end marker are
+//   tolerated: the image is complete, and PIL and torchvision read such files.
+// All functions are thread-safe.
 #pragma once
 
 #include <cstddef>
@@ -34,7 +53,8 @@ ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& nam
 // Decodes into `out`, which must hold channels * height * width bytes, laid
 // out [C, H, W]. `channels` 0 keeps the stored count; 1 or 3 converts.
 // Throws DataError naming `name` for corrupt or truncated data, and
-// ValueError if `out` has the wrong size. Returns what was decoded.
+// ValueError if `out` has the wrong size or `channels` is not 0, 1 or 3.
+// Returns what was decoded: the size, and the channel count written to `out`.
 ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
                             const std::string& name, int channels = 0);
 
@@ -42,7 +62,9 @@ ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> o
 Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name,
                             int channels = 0);
 
-// Encodes an [C, H, W] image (C = 1 or 3). Throws ValueError for other shapes.
+// Encodes an [C, H, W] image (C = 1 or 3). Throws ValueError for other shapes
+// (and for a quality outside [1, 100]). JPEG uses 4:2:0 chroma subsampling
+// and the accurate DCT, libjpeg's defaults.
 std::vector<uint8_t> encode_jpeg(const Array<uint8_t>& image, int quality = 90);
 std::vector<uint8_t> encode_png(const Array<uint8_t>& image);
 

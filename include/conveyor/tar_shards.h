@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -71,9 +72,18 @@ class TarShardDataset final : public IterableDataset<ShardSample> {
   std::shared_ptr<std::atomic<uint64_t>> skipped_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
+// Reads a whole shard held in memory (`name` stands for its path in errors),
+// grouping and checking it as TarShardDataset does. raise: the first error
+// throws DataError; skip: bad samples are dropped (a truncated or corrupt
+// shard ends there) and each drop is added to *skipped when it is given.
+std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::string& name,
+                                    const std::vector<std::string>& required_fields,
+                                    OnError on_error = OnError::raise, uint64_t* skipped = nullptr);
+
 // "dir/train-{000000..000011}.tar" -> the 12 paths (zero padding kept); a
-// pattern without braces is returned as the one path. Throws ValueError for a
-// malformed range.
+// pattern without braces is returned as the one path, and several ranges
+// multiply out left to right. Throws ValueError for a malformed range
+// (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
 
 // Writes samples into numbered shards of `samples_per_shard` samples each:

@@ -7,16 +7,22 @@
 // - Generator interop: from_torch() lets conveyor's samplers draw from (and
 //   advance) a torch::Generator; to_torch() copies a conveyor::Generator.
 // - to_tensor(): an Array as a tensor, without copying.
+// - FromTorchDataset: an existing torch::data dataset (LibTorch's MNIST
+//   reader, say) through conveyor's loader; torch::data::Example collates.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/data/datasets/base.h>
+#include <torch/data/example.h>
 
 #include <cstddef>
+#include <span>
 #include <vector>
 
 #include "conveyor/array.h"
 #include "conveyor/collate.h"
 #include "conveyor/dataset.h"
+#include "conveyor/errors.h"
 #include "conveyor/generator.h"
 
 namespace conveyor {
@@ -26,6 +32,13 @@ struct collate_traits<at::Tensor> {
   // torch.stack(samples, 0, out=preallocated). Throws c10::Error for tensors
   // of unequal sizes, with torch's message.
   static at::Tensor collate(std::vector<at::Tensor>&& samples);
+};
+
+template <>
+struct collate_traits<torch::data::Example<at::Tensor, at::Tensor>> {
+  // Stacks data and targets, each into one output (as torch::data's Stack<>).
+  static torch::data::Example<at::Tensor, at::Tensor> collate(
+      std::vector<torch::data::Example<at::Tensor, at::Tensor>>&& samples);
 };
 
 // A Generator drawing from `generator`'s engine (a CPU generator), under its
@@ -60,6 +73,30 @@ class TensorDataset final : public Dataset<std::vector<at::Tensor>> {
 
  private:
   std::vector<at::Tensor> tensors_;
+};
+
+// A torch::data map-style dataset (anything deriving from
+// torch::data::datasets::Dataset<Self, Example>) as a conveyor dataset.
+// get() is called from several workers at once: the wrapped dataset's get()
+// must be thread-safe, as LibTorch's own readers are (they index tensors).
+template <class TorchDataset>
+class FromTorchDataset final : public Dataset<typename TorchDataset::ExampleType> {
+ public:
+  using sample_type = typename TorchDataset::ExampleType;
+
+  // Throws TypeError if the dataset does not know its size.
+  explicit FromTorchDataset(TorchDataset dataset) : dataset_(std::move(dataset)) {
+    if (!dataset_.size()) throw TypeError("FromTorchDataset: the torch dataset reports no size()");
+  }
+  size_t size() const override { return *dataset_.size(); }
+  sample_type get(size_t index) override { return dataset_.get(index); }
+  std::vector<sample_type> get_batch(std::span<const size_t> indices) override {
+    return dataset_.get_batch(c10::ArrayRef<size_t>(indices.data(), indices.size()));
+  }
+  TorchDataset& inner() noexcept { return dataset_; }
+
+ private:
+  TorchDataset dataset_;
 };
 
 }  // namespace conveyor

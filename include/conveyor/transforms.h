@@ -31,7 +31,9 @@ struct RandomCrop {
 };
 
 // torchvision.transforms.RandomHorizontalFlip(p): one float draw; flips the
-// width axis when it is < p.
+// width axis when it is < p (compared in float32, as torch compares). When
+// it does not flip it returns `image` itself (sharing its elements), as
+// torchvision does.
 struct RandomHorizontalFlip {
   double p = 0.5;
   Array<uint8_t> operator()(const Array<uint8_t>& image) const;

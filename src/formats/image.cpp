@@ -1,1 +1,531 @@
-// (being written)
+// JPEG through libturbojpeg, PNG through libpng's simplified API. Both
+// decoders produce interleaved HWC pixels; conveyor's images are planar
+// [C, H, W]. A grey plane is decoded straight into the caller's memory (and
+// copied to planes 1 and 2 for grey -> RGB); interleaved colour, and pixels
+// with alpha, go through a scratch buffer.
+#include "conveyor/image.h"
+
+#include <png.h>
+#include <turbojpeg.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/errors.h"
+
+namespace conveyor {
+
+namespace {
+
+constexpr uint8_t kJpegMagic[] = {0xFF, 0xD8, 0xFF};
+constexpr uint8_t kPngMagic[] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+
+template <size_t N>
+bool starts_with(std::span<const uint8_t> bytes, const uint8_t (&magic)[N]) {
+  return bytes.size() >= N && std::equal(magic, magic + N, bytes.begin());
+}
+
+size_t pixel_count(const ImageInfo& info) {
+  return static_cast<size_t>(info.width) * static_cast<size_t>(info.height);
+}
+
+// Scratch memory for interleaved pixels, allocated per call rather than kept
+// per thread: a thread-local buffer would pin the largest image each worker
+// ever saw, and glibc's malloc already recycles blocks of a recurring size.
+// new[] without () leaves it uninitialised; the decoder writes all of it.
+std::unique_ptr<uint8_t[]> scratch(size_t bytes) {
+  return std::unique_ptr<uint8_t[]>(new uint8_t[bytes]);
+}
+
+// ITU-R 601 luma with the fixed-point constants libjpeg uses for RGB -> grey
+// (and PIL for convert("L")), so every grey conversion agrees with both.
+uint8_t luma(uint8_t red, uint8_t green, uint8_t blue) {
+  return static_cast<uint8_t>((red * 19595u + green * 38470u + blue * 7471u + 0x8000u) >> 16);
+}
+
+// Interleaved pixels of `stride` samples, RGB first (RGB, RGBA), -> planar
+// [3, H, W]; a fourth sample (alpha) is dropped.
+void rgb_to_planar(const uint8_t* interleaved, size_t stride, size_t pixels, uint8_t* planar) {
+  uint8_t* red = planar;
+  uint8_t* green = planar + pixels;
+  uint8_t* blue = planar + 2 * pixels;
+  for (size_t i = 0; i < pixels; ++i) {
+    red[i] = interleaved[stride * i];
+    green[i] = interleaved[stride * i + 1];
+    blue[i] = interleaved[stride * i + 2];
+  }
+}
+
+void rgb_to_grey(const uint8_t* interleaved, size_t stride, size_t pixels, uint8_t* grey) {
+  for (size_t i = 0; i < pixels; ++i) {
+    const uint8_t* pixel = interleaved + stride * i;
+    grey[i] = luma(pixel[0], pixel[1], pixel[2]);
+  }
+}
+
+// Grey + alpha (GA) -> the grey plane.
+void drop_alpha(const uint8_t* grey_alpha, size_t pixels, uint8_t* grey) {
+  for (size_t i = 0; i < pixels; ++i) grey[i] = grey_alpha[2 * i];
+}
+
+// The grey plane already sits in plane 0 of a [3, H, W] buffer: copy it to
+// planes 1 and 2 (grey -> RGB, as libjpeg and PIL convert).
+void replicate_grey_plane(uint8_t* planar, size_t pixels) {
+  std::memcpy(planar + pixels, planar, pixels);
+  std::memcpy(planar + 2 * pixels, planar, pixels);
+}
+
+// round(a * b / 255) in integers, PIL's MULDIV255.
+unsigned muldiv255(unsigned a, unsigned b) {
+  const unsigned product = a * b + 128;
+  return ((product >> 8) + product) >> 8;
+}
+
+// Interleaved CMYK as libjpeg returns it for Adobe (Photoshop) files, whose
+// samples are stored inverted -> interleaved RGB. PIL's formula, so a CMYK
+// JPEG decodes to what Image.open(...).convert("RGB") gives.
+void inverted_cmyk_to_rgb(const uint8_t* cmyk, size_t pixels, uint8_t* rgb) {
+  for (size_t i = 0; i < pixels; ++i) {
+    const unsigned black = cmyk[4 * i + 3];
+    for (int c = 0; c < 3; ++c) {
+      rgb[3 * i + c] = static_cast<uint8_t>(black - muldiv255(255u - cmyk[4 * i + c], black));
+    }
+  }
+}
+
+// ---- JPEG ---------------------------------------------------------------------
+
+struct TurboJpegDeleter {
+  void operator()(void* handle) const noexcept { tjDestroy(handle); }
+};
+using TurboJpegHandle = std::unique_ptr<void, TurboJpegDeleter>;
+
+enum class TurboJpegRole { decompress, compress };
+
+// One TurboJPEG handle per thread and role, created lazily and destroyed when
+// the thread exits. Handles are not thread-safe (each holds a libjpeg
+// decompressor's state), so they cannot be shared; making one per call costs
+// a malloc and libjpeg's setup on every image, which a thread-local avoids.
+TurboJpegHandle& thread_slot(TurboJpegRole role) {
+  thread_local TurboJpegHandle decompressor;
+  thread_local TurboJpegHandle compressor;
+  return role == TurboJpegRole::decompress ? decompressor : compressor;
+}
+
+tjhandle thread_handle(TurboJpegRole role) {
+  TurboJpegHandle& slot = thread_slot(role);
+  if (!slot) {
+    slot.reset(role == TurboJpegRole::decompress ? tjInitDecompress() : tjInitCompress());
+    if (!slot) {
+      throw RuntimeError(std::string("TurboJPEG: cannot create a handle: ") +
+                         tjGetErrorStr2(nullptr));
+    }
+  }
+  return slot.get();
+}
+
+// Reads the error of the last call on this thread's handle for `role`, then
+// throws the handle away: after libjpeg longjmps out of tjDecompressHeader3
+// the decompressor is left mid-header and would reject the next image, so a
+// failed handle is never reused. The message is copied first because it may
+// live in the handle.
+std::string take_error_and_discard(TurboJpegRole role) {
+  TurboJpegHandle& slot = thread_slot(role);
+  std::string message = tjGetErrorStr2(slot.get());
+  slot.reset();
+  return message;
+}
+
+// libjpeg reports damaged entropy-coded data ("Premature end of JPEG file",
+// "Corrupt JPEG data: premature end of data segment", bad Huffman codes) as
+// warnings and fills what is missing with grey. Every warning is therefore
+// treated as an error, with one exception: stray bytes just before the EOI
+// marker. By then every scan has been decoded; real-world files carry such
+// padding (ImageNet's among them) and PIL and torchvision read them.
+bool harmless_warning(const std::string& message) {
+  return message.find("extraneous bytes before marker 0xd9") != std::string::npos;
+}
+
+class JpegDecoder {
+ public:
+  JpegDecoder(std::span<const uint8_t> bytes, const std::string& name)
+      : bytes_(bytes), name_(name) {
+    tjhandle handle = thread_handle(TurboJpegRole::decompress);
+    int width = 0;
+    int height = 0;
+    int subsampling = -2;  // tjDecompressHeader3 stores -1 when it cannot classify it
+    int colorspace = -1;
+    if (tjDecompressHeader3(handle, bytes.data(), bytes.size(), &width, &height, &subsampling,
+                            &colorspace) != 0) {
+      // TurboJPEG rejects chroma subsampling it has no name for (e.g. 3x1),
+      // though libjpeg decodes it fine: accept that one complaint when the
+      // rest of the header was read.
+      const bool only_unnamed_subsampling = subsampling == -1 && width > 0 && height > 0 &&
+                                            colorspace >= 0 &&
+                                            tjGetErrorCode(handle) == TJERR_FATAL;
+      std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+      if (!only_unnamed_subsampling) throw DataError("unreadable JPEG header: " + reason, name);
+    } else if (width < 1 || height < 1 || colorspace < 0) {
+      // TurboJPEG 2.1 returns success, filling in nothing, for a stream
+      // with tables but no image, which is also what a header cut short
+      // looks like once libjpeg has warned and inserted an end marker.
+      const bool warned = tjGetErrorCode(handle) == TJERR_WARNING;
+      std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+      throw DataError("unreadable JPEG header: " +
+                          (warned ? reason : std::string("no image in the data (tables only)")),
+                      name);
+    }
+    colorspace_ = colorspace;
+    info_.width = width;
+    info_.height = height;
+    info_.channels = colorspace == TJCS_GRAY ? 1 : 3;
+  }
+
+  const ImageInfo& info() const noexcept { return info_; }
+
+  void decode_into(std::span<uint8_t> out, int out_channels) {
+    const size_t pixels = pixel_count(info_);
+    const bool cmyk = colorspace_ == TJCS_CMYK || colorspace_ == TJCS_YCCK;
+    if (cmyk) {
+      // libjpeg cannot convert CMYK to RGB or grey itself.
+      std::unique_ptr<uint8_t[]> cmyk_pixels = scratch(4 * pixels);
+      decompress(cmyk_pixels.get(), TJPF_CMYK);
+      std::unique_ptr<uint8_t[]> rgb = scratch(3 * pixels);
+      inverted_cmyk_to_rgb(cmyk_pixels.get(), pixels, rgb.get());
+      if (out_channels == 1) {
+        rgb_to_grey(rgb.get(), 3, pixels, out.data());
+      } else {
+        rgb_to_planar(rgb.get(), 3, pixels, out.data());
+      }
+    } else if (out_channels == 1) {
+      decompress(out.data(), TJPF_GRAY);  // libjpeg keeps Y, or computes it from RGB
+    } else if (info_.channels == 1) {
+      decompress(out.data(), TJPF_GRAY);
+      replicate_grey_plane(out.data(), pixels);
+    } else {
+      std::unique_ptr<uint8_t[]> rgb = scratch(3 * pixels);
+      decompress(rgb.get(), TJPF_RGB);
+      rgb_to_planar(rgb.get(), 3, pixels, out.data());
+    }
+  }
+
+ private:
+  void decompress(uint8_t* destination, int pixel_format) {
+    tjhandle handle = thread_handle(TurboJpegRole::decompress);
+    // LIMITSCANS: a progressive file with thousands of tiny scans is a known
+    // way to make libjpeg spin for minutes; it becomes an error instead.
+    if (tjDecompress2(handle, bytes_.data(), bytes_.size(), destination, info_.width,
+                      /*pitch=*/0, info_.height, pixel_format, TJFLAG_LIMITSCANS) == 0) {
+      return;
+    }
+    const bool warning = tjGetErrorCode(handle) == TJERR_WARNING;
+    std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+    if (warning && harmless_warning(reason)) return;
+    throw DataError((warning ? "truncated or corrupt JPEG: " : "cannot decode JPEG: ") + reason,
+                    name_);
+  }
+
+  std::span<const uint8_t> bytes_;
+  const std::string& name_;
+  ImageInfo info_;
+  int colorspace_ = -1;
+};
+
+// ---- PNG ----------------------------------------------------------------------
+
+// Frees libpng's state on every exit; png_image_free is a no-op once libpng
+// has freed it itself (it does after errors and after finish_read).
+class PngImage {
+ public:
+  PngImage() {
+    std::memset(&image_, 0, sizeof(image_));
+    image_.version = PNG_IMAGE_VERSION;
+  }
+  ~PngImage() { png_image_free(&image_); }
+  PngImage(const PngImage&) = delete;
+  PngImage& operator=(const PngImage&) = delete;
+  png_image* get() noexcept { return &image_; }
+  png_image* operator->() noexcept { return &image_; }
+
+ private:
+  png_image image_;
+};
+
+constexpr int kGamma1Over2_2 = 45455;  // gAMA stores gamma * 100000
+
+// libpng's simplified API gamma-corrects to sRGB by the file's gAMA chunk (a
+// gamma 1.0 file comes out much brighter); PIL and torchvision ignore gAMA
+// and return the stored samples. Returns the file without its gAMA chunks,
+// or nothing when it needs no change (no gAMA, or the usual 1/2.2, which
+// libpng takes for sRGB): the common case costs no copy.
+
+std::vector<uint8_t> without_gamma_chunks(std::span<const uint8_t> png) {
+  std::vector<std::pair<size_t, size_t>> gamma_chunks;  // [begin, end) offsets
+  // Chunks until IDAT (gAMA must come before it): 4-byte big-endian length,
+  // 4-byte type, data, 4-byte CRC. Stops at anything malformed, which libpng
+  // then reports.
+  size_t at = sizeof kPngMagic;
+  while (at + 12 <= png.size()) {
+    const uint8_t* chunk = png.data() + at;
+    const size_t length =
+        size_t{chunk[0]} << 24 | size_t{chunk[1]} << 16 | size_t{chunk[2]} << 8 | size_t{chunk[3]};
+    if (length > png.size() - at - 12 || std::memcmp(chunk + 4, "IDAT", 4) == 0) break;
+    const bool srgb_gamma = length == 4 && chunk[8] == 0 && chunk[9] == 0 &&
+                            (chunk[10] << 8 | chunk[11]) == kGamma1Over2_2;
+    if (std::memcmp(chunk + 4, "gAMA", 4) == 0 && !srgb_gamma) {
+      gamma_chunks.emplace_back(at, at + 12 + length);
+    }
+    at += 12 + length;
+  }
+  if (gamma_chunks.empty()) return {};
+  std::vector<uint8_t> stripped;
+  stripped.reserve(png.size());
+  size_t kept_from = 0;
+  for (const auto& [begin, end] : gamma_chunks) {
+    stripped.insert(stripped.end(), png.begin() + static_cast<std::ptrdiff_t>(kept_from),
+                    png.begin() + static_cast<std::ptrdiff_t>(begin));
+    kept_from = end;
+  }
+  stripped.insert(stripped.end(), png.begin() + static_cast<std::ptrdiff_t>(kept_from), png.end());
+  return stripped;
+}
+
+class PngDecoder {
+ public:
+  PngDecoder(std::span<const uint8_t> bytes, const std::string& name)
+      : stripped_(without_gamma_chunks(bytes)), name_(name) {
+    // libpng reads the pixels from this memory again in finish_read.
+    const std::span<const uint8_t> file = stripped_.empty() ? bytes : stripped_;
+    if (png_image_begin_read_from_memory(png_.get(), file.data(), file.size()) == 0) {
+      throw DataError(std::string("unreadable PNG header: ") + png_->message, name);
+    }
+    // Without gAMA/sRGB, libpng would take 16-bit samples for linear light and
+    // gamma-encode them on the way to 8 bits; PIL and torchvision just scale.
+    png_->flags |= PNG_IMAGE_FLAG_16BIT_sRGB;
+    has_alpha_ = (png_->format & PNG_FORMAT_FLAG_ALPHA) != 0;
+    info_.width = static_cast<int>(png_->width);
+    info_.height = static_cast<int>(png_->height);
+    info_.channels = (png_->format & PNG_FORMAT_FLAG_COLOR) != 0 ? 3 : 1;
+  }
+
+  const ImageInfo& info() const noexcept { return info_; }
+
+  // Alpha (an alpha channel, or tRNS transparency) is read and then dropped,
+  // as PIL's convert("RGB") and torchvision's decode_png drop it; libpng
+  // returns 8-bit colour with straight, not premultiplied, alpha.
+  void decode_into(std::span<uint8_t> out, int out_channels) {
+    const size_t pixels = pixel_count(info_);
+    if (info_.channels == 1 && !has_alpha_) {
+      finish(out.data(), PNG_FORMAT_GRAY);
+      if (out_channels == 3) replicate_grey_plane(out.data(), pixels);
+      return;
+    }
+    if (info_.channels == 1) {
+      std::unique_ptr<uint8_t[]> grey_alpha = scratch(2 * pixels);
+      finish(grey_alpha.get(), PNG_FORMAT_GA);
+      drop_alpha(grey_alpha.get(), pixels, out.data());
+      if (out_channels == 3) replicate_grey_plane(out.data(), pixels);
+      return;
+    }
+    const size_t stride = has_alpha_ ? 4 : 3;
+    std::unique_ptr<uint8_t[]> rgb = scratch(stride * pixels);
+    finish(rgb.get(), has_alpha_ ? PNG_FORMAT_RGBA : PNG_FORMAT_RGB);
+    if (out_channels == 1) {
+      rgb_to_grey(rgb.get(), stride, pixels, out.data());
+    } else {
+      rgb_to_planar(rgb.get(), stride, pixels, out.data());
+    }
+  }
+
+ private:
+  void finish(uint8_t* destination, png_uint_32 format) {
+    png_->format = format;
+    const png_int_32 row_stride = static_cast<png_int_32>(PNG_IMAGE_ROW_STRIDE(*png_.get()));
+    // Warnings (a bad ancillary chunk, an odd iCCP profile) leave the pixels
+    // intact; truncation, bad CRCs and zlib errors are errors and fail here.
+    // No background colour: the formats asked for keep the alpha channel.
+    if (png_image_finish_read(png_.get(), /*background=*/nullptr, destination, row_stride,
+                              /*colormap=*/nullptr) == 0) {
+      throw DataError(std::string("corrupt PNG data: ") + png_->message, name_);
+    }
+  }
+
+  std::vector<uint8_t> stripped_;
+  PngImage png_;
+  const std::string& name_;
+  ImageInfo info_;
+  bool has_alpha_ = false;
+};
+
+// Runs `use(decoder)` with the decoder for the format of `bytes`, its header
+// already read.
+template <class Use>
+decltype(auto) with_decoder(std::span<const uint8_t> bytes, const std::string& name, Use&& use) {
+  switch (sniff_image_format(bytes)) {
+    case ImageFormat::jpeg: {
+      JpegDecoder decoder(bytes, name);
+      return use(decoder);
+    }
+    case ImageFormat::png: {
+      PngDecoder decoder(bytes, name);
+      return use(decoder);
+    }
+    case ImageFormat::unknown:
+      break;
+  }
+  if (bytes.empty()) throw DataError("empty image data (0 bytes)", name);
+  throw DataError("not a JPEG or PNG image (unrecognised signature, " +
+                      std::to_string(bytes.size()) + " bytes)",
+                  name);
+}
+
+// Validated before any parsing, so a bad argument is a ValueError whatever the
+// bytes hold.
+void check_channels_argument(int requested) {
+  if (requested != 0 && requested != 1 && requested != 3) {
+    throw ValueError("decode_image: channels must be 0 (as stored), 1 or 3, got " +
+                     std::to_string(requested));
+  }
+}
+
+int output_channels(int requested, const ImageInfo& stored) {
+  return requested == 0 ? stored.channels : requested;
+}
+
+// Checks an image to encode: [C, H, W], C = 1 or 3, no empty extent.
+void check_encodable(const Array<uint8_t>& image, const char* function, int64_t max_extent) {
+  const std::vector<int64_t>& shape = image.shape();
+  if (shape.size() != 3 || (shape[0] != 1 && shape[0] != 3)) {
+    throw ValueError(std::string(function) +
+                     ": expected an image of shape [C, H, W] with C = 1 or 3, got " +
+                     shape_string(shape));
+  }
+  if (shape[1] < 1 || shape[2] < 1 || shape[1] > max_extent || shape[2] > max_extent) {
+    throw ValueError(std::string(function) + ": height and width must be in [1, " +
+                     std::to_string(max_extent) + "], got " + shape_string(shape));
+  }
+  if (image.data() == nullptr) throw ValueError(std::string(function) + ": the image has no data");
+}
+
+// [C, H, W] -> what the encoders take: the plane itself for grey, else
+// interleaved RGB in `storage`.
+const uint8_t* interleaved_pixels(const Array<uint8_t>& image,
+                                  std::unique_ptr<uint8_t[]>& storage) {
+  if (image.shape()[0] == 1) return image.data();
+  const size_t pixels =
+      static_cast<size_t>(image.shape()[1]) * static_cast<size_t>(image.shape()[2]);
+  storage = scratch(3 * pixels);
+  const uint8_t* planar = image.data();
+  for (size_t i = 0; i < pixels; ++i) {
+    storage[3 * i] = planar[i];
+    storage[3 * i + 1] = planar[pixels + i];
+    storage[3 * i + 2] = planar[2 * pixels + i];
+  }
+  return storage.get();
+}
+
+struct TurboJpegBufferDeleter {
+  void operator()(unsigned char* buffer) const noexcept { tjFree(buffer); }
+};
+
+}  // namespace
+
+ImageFormat sniff_image_format(std::span<const uint8_t> bytes) noexcept {
+  if (starts_with(bytes, kJpegMagic)) return ImageFormat::jpeg;
+  if (starts_with(bytes, kPngMagic)) return ImageFormat::png;
+  return ImageFormat::unknown;
+}
+
+ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& name) {
+  return with_decoder(bytes, name, [](auto& decoder) { return decoder.info(); });
+}
+
+ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
+                            const std::string& name, int channels) {
+  check_channels_argument(channels);
+  return with_decoder(bytes, name, [&](auto& decoder) {
+    const ImageInfo& stored = decoder.info();
+    const int out_channels = output_channels(channels, stored);
+    const size_t expected = static_cast<size_t>(out_channels) * pixel_count(stored);
+    if (out.size() != expected) {
+      throw ValueError("decode_image_into: " + name + " decodes to " +
+                       shape_string({out_channels, stored.height, stored.width}) + " = " +
+                       std::to_string(expected) + " bytes, but out holds " +
+                       std::to_string(out.size()) + " bytes");
+    }
+    decoder.decode_into(out, out_channels);
+    return ImageInfo{stored.width, stored.height, out_channels};
+  });
+}
+
+Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name, int channels) {
+  check_channels_argument(channels);
+  return with_decoder(bytes, name, [&](auto& decoder) {
+    const ImageInfo& stored = decoder.info();
+    const int out_channels = output_channels(channels, stored);
+    Array<uint8_t> image({out_channels, stored.height, stored.width});
+    decoder.decode_into(image.values(), out_channels);
+    return image;
+  });
+}
+
+std::vector<uint8_t> encode_jpeg(const Array<uint8_t>& image, int quality) {
+  if (quality < 1 || quality > 100) {
+    throw ValueError("encode_jpeg: quality must be in [1, 100], got " + std::to_string(quality));
+  }
+  check_encodable(image, "encode_jpeg", /*JPEG_MAX_DIMENSION=*/65500);
+  const bool grey = image.shape()[0] == 1;
+  const int height = static_cast<int>(image.shape()[1]);
+  const int width = static_cast<int>(image.shape()[2]);
+  std::unique_ptr<uint8_t[]> interleaved;
+  const uint8_t* pixels = interleaved_pixels(image, interleaved);
+
+  tjhandle handle = thread_handle(TurboJpegRole::compress);
+  unsigned char* jpeg = nullptr;  // TurboJPEG allocates it
+  unsigned long jpeg_size = 0;
+  // 4:2:0 chroma like libjpeg's, PIL's and torchvision's defaults; the
+  // accurate DCT as libjpeg uses by default (TurboJPEG would pick the fast one).
+  const int status =
+      tjCompress2(handle, pixels, width, /*pitch=*/0, height, grey ? TJPF_GRAY : TJPF_RGB, &jpeg,
+                  &jpeg_size, grey ? TJSAMP_GRAY : TJSAMP_420, quality, TJFLAG_ACCURATEDCT);
+  std::unique_ptr<unsigned char, TurboJpegBufferDeleter> owned(jpeg);
+  if (status != 0) {
+    throw RuntimeError("encode_jpeg: " + take_error_and_discard(TurboJpegRole::compress));
+  }
+  return std::vector<uint8_t>(jpeg, jpeg + jpeg_size);
+}
+
+std::vector<uint8_t> encode_png(const Array<uint8_t>& image) {
+  // Rows are addressed with a png_int_32 stride of width * C bytes.
+  check_encodable(image, "encode_png", INT_MAX / 3);
+  const bool grey = image.shape()[0] == 1;
+  std::unique_ptr<uint8_t[]> interleaved;
+  const uint8_t* pixels = interleaved_pixels(image, interleaved);
+
+  PngImage png;
+  png->width = static_cast<png_uint_32>(image.shape()[2]);
+  png->height = static_cast<png_uint_32>(image.shape()[1]);
+  png->format = grey ? PNG_FORMAT_GRAY : PNG_FORMAT_RGB;
+  // libpng's worst case (the data stored, not compressed), so one pass is
+  // enough. Its PNG_IMAGE_DATA_SIZE computes in 32 bits; this is the same sum
+  // (a filter byte per row) in 64, so a multi-GiB image cannot wrap it.
+  const png_alloc_size_t data_size =
+      png_alloc_size_t{png->height} * (png_alloc_size_t{png->width} * (grey ? 1 : 3) + 1);
+  std::vector<uint8_t> encoded(PNG_IMAGE_PNG_SIZE_MAX_(*png.get(), PNG_ZLIB_MAX_SIZE(data_size)));
+  png_alloc_size_t encoded_size = encoded.size();
+  if (png_image_write_to_memory(png.get(), encoded.data(), &encoded_size, /*convert_to_8_bit=*/0,
+                                pixels, /*row_stride=*/0, /*colormap=*/nullptr) == 0) {
+    throw RuntimeError(std::string("encode_png: ") + png->message);
+  }
+  encoded.resize(encoded_size);
+  return encoded;
+}
+
+}  // namespace conveyor

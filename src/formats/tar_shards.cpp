@@ -1,1 +1,757 @@
-// (being written)
+// WebDataset-style tar shards: reading (TarShardDataset, read_shard), writing
+// (TarShardWriter) and shard-name patterns, on top of libarchive.
+#include "conveyor/tar_shards.h"
+
+#include <archive.h>
+#include <archive_entry.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <numeric>
+#include <set>
+#include <system_error>
+#include <unordered_set>
+#include <utility>
+
+#include "conveyor/errors.h"
+#include "conveyor/generator.h"
+
+namespace conveyor {
+namespace {
+
+constexpr size_t kReadBlockBytes = 64 * 1024;  // what each read callback hands libarchive
+constexpr size_t kTarBlockBytes = 512;
+// Writers stamp every member with this mtime so the same samples always make
+// the same bytes.
+constexpr time_t kFixedMtime = 0;
+// expand_shard_pattern() refuses to build more paths than this (a typo such
+// as {0..999999999} would otherwise exhaust memory).
+constexpr size_t kMaxExpandedPaths = 10'000'000;
+
+std::string error_text(int error_number) { return std::generic_category().message(error_number); }
+
+// ARCHIVE_WARN still delivers the entry; everything else but OK is a
+// failure. ARCHIVE_RETRY (a damaged header, which libarchive would skip
+// block by block to the next plausible one) ranks above WARN numerically, so
+// `status < ARCHIVE_WARN` would let it through and lose members silently.
+bool succeeded(int status) { return status == ARCHIVE_OK || status == ARCHIVE_WARN; }
+
+std::string archive_reason(struct archive* archive) {
+  const char* reason = archive != nullptr ? archive_error_string(archive) : nullptr;
+  return reason != nullptr ? reason : "unknown libarchive error";
+}
+
+struct ArchiveReadFree {
+  void operator()(struct archive* archive) const noexcept { archive_read_free(archive); }
+};
+using ReadArchive = std::unique_ptr<struct archive, ArchiveReadFree>;
+
+struct ArchiveEntryFree {
+  void operator()(struct archive_entry* entry) const noexcept { archive_entry_free(entry); }
+};
+
+// Where a shard's bytes come from: a file read in 64 KiB blocks, or memory.
+// libarchive pulls them through read(). The source remembers how many bytes it
+// handed out and the last 512 of them: libarchive accepts a tar that stops at
+// a member boundary without its end-of-archive blocks, and these tell such a
+// truncated shard from one that ends properly.
+class ShardSource {
+ public:
+  explicit ShardSource(std::span<const uint8_t> bytes) : memory_(bytes), size_(bytes.size()) {}
+  ~ShardSource() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ShardSource(const ShardSource&) = delete;
+  ShardSource& operator=(const ShardSource&) = delete;
+
+  // Opens `path` for reading. Returns the reason on failure, "" on success.
+  std::string open_file(const std::string& path) {
+    do {
+      fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    } while (fd_ < 0 && errno == EINTR);
+    if (fd_ < 0) return "cannot open shard: " + error_text(errno);
+    file_buffer_.resize(kReadBlockBytes);
+    struct stat info {};
+    if (::fstat(fd_, &info) == 0 && S_ISREG(info.st_mode)) {
+      size_ = static_cast<uint64_t>(info.st_size);
+    }
+    return {};
+  }
+
+  // Nothing may unwind through libarchive's C frames.
+  static la_ssize_t read_callback(struct archive* archive, void* self, const void** block) {
+    try {
+      return static_cast<ShardSource*>(self)->read(archive, block);
+    } catch (...) {
+      archive_set_error(archive, ENOMEM, "out of memory while reading");
+      return ARCHIVE_FATAL;
+    }
+  }
+
+  // An upper bound on any member's size, when the source's size is known.
+  std::optional<uint64_t> size() const { return size_; }
+
+  // True when the stream ended exactly where libarchive stopped consuming
+  // (`consumed` bytes) and its last block is not an end-of-archive block.
+  bool ends_mid_archive(int64_t consumed) const {
+    if (!exhausted_ || delivered_ == 0 || consumed < 0) return false;
+    if (static_cast<uint64_t>(consumed) != delivered_) return false;
+    return std::any_of(tail_.begin(), tail_.begin() + static_cast<std::ptrdiff_t>(tail_size_),
+                       [](uint8_t byte) { return byte != 0; });
+  }
+
+ private:
+  la_ssize_t read(struct archive* archive, const void** block) {
+    size_t count = 0;
+    if (fd_ >= 0) {
+      ssize_t got = 0;
+      do {
+        got = ::read(fd_, file_buffer_.data(), file_buffer_.size());
+      } while (got < 0 && errno == EINTR);
+      if (got < 0) {
+        const int error_number = errno;
+        archive_set_error(archive, error_number, "read failed: %s",
+                          error_text(error_number).c_str());
+        return ARCHIVE_FATAL;
+      }
+      count = static_cast<size_t>(got);
+      *block = file_buffer_.data();
+    } else {
+      count = std::min(kReadBlockBytes, memory_.size() - memory_offset_);
+      *block = memory_.data() + memory_offset_;
+      memory_offset_ += count;
+    }
+    remember(static_cast<const uint8_t*>(*block), count);
+    return static_cast<la_ssize_t>(count);
+  }
+
+  void remember(const uint8_t* bytes, size_t count) {
+    if (count == 0) {
+      exhausted_ = true;
+      return;
+    }
+    delivered_ += count;
+    if (count >= kTarBlockBytes) {
+      std::memcpy(tail_.data(), bytes + count - kTarBlockBytes, kTarBlockBytes);
+      tail_size_ = kTarBlockBytes;
+      return;
+    }
+    const size_t kept = std::min(tail_size_, kTarBlockBytes - count);
+    std::memmove(tail_.data(), tail_.data() + tail_size_ - kept, kept);
+    std::memcpy(tail_.data() + kept, bytes, count);
+    tail_size_ = kept + count;
+  }
+
+  int fd_ = -1;
+  std::vector<uint8_t> file_buffer_;  // files only
+  std::span<const uint8_t> memory_;
+  size_t memory_offset_ = 0;
+  std::optional<uint64_t> size_;
+  uint64_t delivered_ = 0;
+  bool exhausted_ = false;
+  std::array<uint8_t, kTarBlockBytes> tail_{};
+  size_t tail_size_ = 0;
+};
+
+// A regular member whose header is read and whose data is not yet.
+struct Member {
+  std::string name;   // "a/b/000123.seg.png"
+  std::string key;    // "a/b/000123"
+  std::string field;  // "seg.png"
+  bool valid_name = true;
+  bool sparse = false;
+  int64_t declared_size = 0;
+};
+
+// The sample being assembled. A bad one (already reported) swallows the rest
+// of its members.
+struct Group {
+  std::string key;
+  int64_t index = 0;  // within the shard
+  std::map<std::string, std::vector<uint8_t>> fields;
+  bool bad = false;
+};
+
+// Reads one shard's samples in order, grouping consecutive members by key.
+// next() throws DataError for a bad sample and can be called again to go on
+// after it; for a bad shard (unreadable, truncated, corrupt) it throws once,
+// failed() turns true and the rest of the shard is dropped. Holds at most one
+// sample's bytes. Not movable: libarchive keeps a pointer to the source.
+class ShardReader {
+ public:
+  ShardReader(std::string path, const std::vector<std::string>& required_fields)
+      : name_(std::move(path)), from_file_(true), required_fields_(required_fields) {}
+  ShardReader(std::string name, std::span<const uint8_t> bytes,
+              const std::vector<std::string>& required_fields)
+      : name_(std::move(name)), source_(bytes), required_fields_(required_fields) {}
+  ShardReader(const ShardReader&) = delete;
+  ShardReader& operator=(const ShardReader&) = delete;
+
+  bool failed() const noexcept { return failed_; }
+
+  std::optional<ShardSample> next() {
+    if (failed_) return std::nullopt;
+    if (!archive_ && !at_end_) open();
+    while (true) {
+      if (!pending_ && !at_end_ && !read_header()) {
+        at_end_ = true;
+        archive_.reset();
+      }
+      if (at_end_) {
+        if (!group_) return std::nullopt;
+        if (std::optional<ShardSample> sample = finish_group()) return sample;
+        continue;
+      }
+      // pending_ is the next member: it ends the open sample or belongs to it.
+      if (group_ && pending_->key != group_->key) {
+        if (std::optional<ShardSample> sample = finish_group()) return sample;
+        continue;
+      }
+      if (!group_) start_group();
+      consume_pending();
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what, const std::string& member, int64_t sample) {
+    failed_ = true;
+    archive_.reset();
+    group_.reset();
+    pending_.reset();
+    throw DataError(what, name_, member, sample);
+  }
+
+  // The sample a shard-level failure cuts short, if one is open.
+  int64_t open_sample_index() const { return group_ ? group_->index : -1; }
+
+  // Reports the open sample as bad; its remaining members are dropped.
+  [[noreturn]] void reject(const std::string& what, const std::string& member) {
+    group_->bad = true;
+    throw DataError(what, name_, member, group_->index);
+  }
+
+  void open() {
+    if (from_file_) {
+      const std::string reason = source_.open_file(name_);
+      if (!reason.empty()) fail(reason, {}, -1);
+    }
+    archive_.reset(archive_read_new());
+    if (!archive_) fail("cannot allocate a libarchive reader", {}, -1);
+    if (archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
+      fail("cannot enable tar reading: " + archive_reason(archive_.get()), {}, -1);
+    }
+    if (archive_read_open(archive_.get(), &source_, nullptr, &ShardSource::read_callback,
+                          nullptr) != ARCHIVE_OK) {
+      fail("cannot read shard: " + archive_reason(archive_.get()), {}, -1);
+    }
+  }
+
+  // Reads headers up to the next regular member (into pending_). Returns
+  // false at the end of the archive.
+  bool read_header() {
+    while (true) {
+      struct archive_entry* entry = nullptr;
+      const int status = archive_read_next_header(archive_.get(), &entry);
+      if (status == ARCHIVE_EOF) {
+        if (source_.ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) {
+          fail("truncated tar: the shard stops after a member, without the end-of-archive blocks",
+               last_member_, open_sample_index());
+        }
+        return false;
+      }
+      if (!succeeded(status)) {
+        const std::string where =
+            last_member_.empty() ? "" : " (after member '" + last_member_ + "')";
+        fail("truncated or corrupt tar header" + where + ": " + archive_reason(archive_.get()), {},
+             open_sample_index());
+      }
+      // Directories, links and devices carry no sample data (WebDataset
+      // skips them too); libarchive skips their data on the next header.
+      if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) {
+        continue;
+      }
+      const char* path = archive_entry_pathname(entry);
+      if (path == nullptr) path = archive_entry_pathname_utf8(entry);
+      if (path == nullptr) {
+        fail("a member's name cannot be decoded" +
+                 (last_member_.empty() ? std::string() : " (after member '" + last_member_ + "')"),
+             {}, open_sample_index());
+      }
+      Member member;
+      member.name = path;
+      // The key is the name up to the first '.' of its last component.
+      const size_t slash = member.name.rfind('/');
+      const size_t base = slash == std::string::npos ? 0 : slash + 1;
+      const size_t dot = member.name.find('.', base);
+      member.key = member.name.substr(0, dot);
+      if (dot != std::string::npos) member.field = member.name.substr(dot + 1);
+      member.valid_name = dot != std::string::npos && dot > base && !member.field.empty();
+      member.sparse = archive_entry_sparse_count(entry) > 0;
+      member.declared_size = archive_entry_size_is_set(entry) ? archive_entry_size(entry) : 0;
+      last_member_ = member.name;
+      pending_ = std::move(member);
+      return true;
+    }
+  }
+
+  void start_group() {
+    group_.emplace();
+    group_->key = pending_->key;
+    group_->index = next_sample_index_++;
+    if (!seen_keys_.insert(group_->key).second) {
+      reject("key '" + group_->key +
+                 "' appears again: a sample's members must be consecutive in the shard",
+             pending_->name);
+    }
+  }
+
+  // Adds the pending member to the open sample.
+  void consume_pending() {
+    const Member member = std::move(*pending_);
+    pending_.reset();
+    if (group_->bad) return;
+    if (!member.valid_name) {
+      reject("member name has no 'key.field' form (key '" + member.key + "')", member.name);
+    }
+    if (group_->fields.contains(member.field)) {
+      reject("field '" + member.field + "' appears twice in sample '" + group_->key + "'",
+             member.name);
+    }
+    if (member.sparse) reject("sparse tar members are not supported", member.name);
+    group_->fields.emplace(member.field, read_data(member));
+  }
+
+  std::vector<uint8_t> read_data(const Member& member) {
+    std::vector<uint8_t> bytes;
+    // The header's size is only a hint: a corrupt one could claim terabytes.
+    uint64_t hint = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
+    hint = std::min<uint64_t>(hint, source_.size().value_or(kReadBlockBytes));
+    bytes.reserve(static_cast<size_t>(hint));
+    while (true) {
+      const void* block = nullptr;
+      size_t size = 0;
+      la_int64_t offset = 0;
+      const int status = archive_read_data_block(archive_.get(), &block, &size, &offset);
+      if (status == ARCHIVE_EOF) return bytes;
+      if (!succeeded(status)) {
+        fail("cannot read member data: " + archive_reason(archive_.get()), member.name,
+             group_->index);
+      }
+      if (offset < 0 || static_cast<uint64_t>(offset) != bytes.size()) {
+        fail("member data arrives out of order (a sparse member?)", member.name, group_->index);
+      }
+      if (size > 0) {
+        const auto* first = static_cast<const uint8_t*>(block);
+        bytes.insert(bytes.end(), first, first + size);
+      }
+    }
+  }
+
+  // Closes the open sample: returns it, or nothing when it was bad (already
+  // reported), or throws when it lacks a required field.
+  std::optional<ShardSample> finish_group() {
+    Group group = std::move(*group_);
+    group_.reset();
+    if (group.bad) return std::nullopt;
+    for (const std::string& field : required_fields_) {
+      if (!group.fields.contains(field)) {
+        throw DataError("sample '" + group.key + "' has no required field '" + field + "'", name_,
+                        group.key, group.index);
+      }
+    }
+    return ShardSample{std::move(group.key), name_, std::move(group.fields)};
+  }
+
+  std::string name_;
+  bool from_file_ = false;
+  ShardSource source_{std::span<const uint8_t>()};
+  std::vector<std::string> required_fields_;
+  ReadArchive archive_;  // after source_: freed first
+  std::optional<Member> pending_;
+  std::optional<Group> group_;
+  std::unordered_set<std::string> seen_keys_;
+  std::string last_member_;
+  int64_t next_sample_index_ = 0;
+  bool at_end_ = false;
+  bool failed_ = false;
+};
+
+// One replica's stream: its shards in order, one open at a time, optionally
+// through a WebDataset shuffle buffer.
+class TarShardIterator final : public SampleIterator<ShardSample> {
+ public:
+  TarShardIterator(std::vector<std::string> shards, std::vector<std::string> required_fields,
+                   OnError on_error, size_t shuffle_buffer,
+                   std::shared_ptr<std::atomic<uint64_t>> skipped)
+      : shards_(std::move(shards)),
+        required_fields_(std::move(required_fields)),
+        on_error_(on_error),
+        shuffle_buffer_(shuffle_buffer),
+        skipped_(std::move(skipped)) {}
+
+  std::optional<ShardSample> next() override {
+    return shuffle_buffer_ == 0 ? next_in_order() : next_shuffled();
+  }
+
+ private:
+  std::optional<ShardSample> next_in_order() {
+    while (true) {
+      if (!reader_) {
+        if (next_shard_ == shards_.size()) return std::nullopt;
+        reader_ = std::make_unique<ShardReader>(shards_[next_shard_++], required_fields_);
+      }
+      try {
+        if (std::optional<ShardSample> sample = reader_->next()) return sample;
+        reader_.reset();
+      } catch (const DataError&) {
+        if (reader_->failed()) reader_.reset();  // the rest of the shard is lost
+        if (on_error_ == OnError::raise) throw;
+        skipped_->fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+  }
+
+  // WebDataset's shuffle: fill the buffer, then swap each new sample for a
+  // random buffered one; at the end drain the buffer in random order.
+  std::optional<ShardSample> next_shuffled() {
+    while (!source_done_ && buffer_.size() < shuffle_buffer_) {
+      std::optional<ShardSample> sample = next_in_order();
+      if (!sample) {
+        source_done_ = true;
+        break;
+      }
+      buffer_.push_back(std::move(*sample));
+    }
+    if (!source_done_) {
+      if (std::optional<ShardSample> sample = next_in_order()) {
+        ShardSample& slot = buffer_[draw_index(buffer_.size())];
+        std::swap(slot, *sample);
+        return sample;
+      }
+      source_done_ = true;
+    }
+    if (buffer_.empty()) return std::nullopt;
+    std::swap(buffer_[draw_index(buffer_.size())], buffer_.back());
+    ShardSample sample = std::move(buffer_.back());
+    buffer_.pop_back();
+    return sample;
+  }
+
+  // Drawn from default_generator() at each call: on a loader worker that is
+  // the worker's generator, so the order follows the loader's seed.
+  static size_t draw_index(size_t bound) {
+    int64_t index = 0;
+    randint(0, static_cast<int64_t>(bound), std::span<int64_t>(&index, 1), default_generator());
+    return static_cast<size_t>(index);
+  }
+
+  std::vector<std::string> shards_;
+  std::vector<std::string> required_fields_;
+  OnError on_error_;
+  size_t shuffle_buffer_;
+  std::shared_ptr<std::atomic<uint64_t>> skipped_;
+  size_t next_shard_ = 0;
+  std::unique_ptr<ShardReader> reader_;
+  std::vector<ShardSample> buffer_;
+  bool source_done_ = false;
+};
+
+}  // namespace
+
+// ---- TarShardDataset ----------------------------------------------------------
+
+TarShardDataset::TarShardDataset(TarShardOptions options) : options_(std::move(options)) {
+  if (options_.shards.empty()) throw ValueError("TarShardDataset: no shards given");
+  if (options_.num_replicas < 1) {
+    throw ValueError("TarShardDataset: num_replicas must be at least 1, got " +
+                     std::to_string(options_.num_replicas));
+  }
+  if (options_.rank < 0 || options_.rank >= options_.num_replicas) {
+    throw ValueError("TarShardDataset: invalid rank " + std::to_string(options_.rank) +
+                     ", rank should be in the interval [0, " +
+                     std::to_string(options_.num_replicas - 1) + "]");
+  }
+}
+
+std::unique_ptr<SampleIterator<ShardSample>> TarShardDataset::iter(const WorkerInfo* worker) {
+  return std::make_unique<TarShardIterator>(shards_for(worker), options_.required_fields,
+                                            options_.on_error, options_.shuffle_buffer, skipped_);
+}
+
+void TarShardDataset::set_epoch(uint64_t epoch) { epoch_.store(epoch); }
+
+std::vector<std::string> TarShardDataset::shards_for(const WorkerInfo* worker) const {
+  const std::vector<std::string>& shards = options_.shards;
+  std::vector<size_t> order(shards.size());
+  if (options_.shuffle_shards) {
+    // One generator seeded by (seed, epoch) alone: every rank and worker
+    // computes the same order, so their slices never overlap.
+    Generator generator(options_.seed + epoch_.load());
+    order = randperm(shards.size(), generator);
+  } else {
+    std::iota(order.begin(), order.end(), size_t{0});
+  }
+  size_t worker_id = 0;
+  size_t num_workers = 1;
+  if (worker != nullptr) {
+    if (worker->num_workers < 1 || worker->id < 0 || worker->id >= worker->num_workers) {
+      throw ValueError("TarShardDataset: invalid worker " + std::to_string(worker->id) + " of " +
+                       std::to_string(worker->num_workers));
+    }
+    worker_id = static_cast<size_t>(worker->id);
+    num_workers = static_cast<size_t>(worker->num_workers);
+  }
+  const auto rank = static_cast<size_t>(options_.rank);
+  const auto replicas = static_cast<size_t>(options_.num_replicas);
+  std::vector<std::string> mine;
+  // shards[rank::replicas], then [worker::num_workers] of that.
+  for (size_t position = rank, local = 0; position < order.size(); position += replicas, ++local) {
+    if (local % num_workers == worker_id) mine.push_back(shards[order[position]]);
+  }
+  return mine;
+}
+
+uint64_t TarShardDataset::skipped() const noexcept { return skipped_->load(); }
+
+// ---- read_shard ------------------------------------------------------------------
+
+std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::string& name,
+                                    const std::vector<std::string>& required_fields,
+                                    OnError on_error, uint64_t* skipped) {
+  ShardReader reader(name, bytes, required_fields);
+  std::vector<ShardSample> samples;
+  while (true) {
+    try {
+      std::optional<ShardSample> sample = reader.next();
+      if (!sample) return samples;
+      samples.push_back(std::move(*sample));
+    } catch (const DataError&) {
+      if (on_error == OnError::raise) throw;
+      if (skipped != nullptr) ++*skipped;
+    }
+  }
+}
+
+// ---- expand_shard_pattern -------------------------------------------------------
+
+namespace {
+
+// "000000..000011" -> the numbers, zero-padded to the wider bound when
+// either bound has a leading zero (as Python's braceexpand does).
+std::vector<std::string> expand_range(const std::string& pattern, const std::string& range) {
+  const auto malformed = [&](const std::string& why) {
+    return ValueError("expand_shard_pattern('" + pattern + "'): malformed range '{" + range +
+                      "}': " + why);
+  };
+  const size_t dots = range.find("..");
+  if (dots == std::string::npos) throw malformed("expected {first..last}");
+  const std::string first = range.substr(0, dots);
+  const std::string last = range.substr(dots + 2);
+  for (const std::string* bound : {&first, &last}) {
+    if (bound->empty()) throw malformed("a bound is missing");
+    if (bound->size() > 18) throw malformed("a bound has more than 18 digits");
+    if (!std::all_of(bound->begin(), bound->end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      throw malformed("bounds must be decimal numbers");
+    }
+  }
+  const uint64_t low = std::stoull(first);
+  const uint64_t high = std::stoull(last);
+  if (low > high) throw malformed("the last number is smaller than the first");
+  if (high - low >= kMaxExpandedPaths) throw malformed("too many paths");
+  const bool padded = (first.size() > 1 && first[0] == '0') || (last.size() > 1 && last[0] == '0');
+  const size_t width = padded ? std::max(first.size(), last.size()) : 0;
+  std::vector<std::string> numbers;
+  numbers.reserve(high - low + 1);
+  for (uint64_t value = low; value <= high; ++value) {
+    std::string text = std::to_string(value);
+    if (text.size() < width) text.insert(0, width - text.size(), '0');
+    numbers.push_back(std::move(text));
+  }
+  return numbers;
+}
+
+}  // namespace
+
+std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
+  std::vector<std::string> paths{std::string()};
+  size_t position = 0;
+  while (position < pattern.size()) {
+    const size_t open = pattern.find_first_of("{}", position);
+    const std::string literal = pattern.substr(position, open - position);
+    for (std::string& path : paths) path += literal;
+    if (open == std::string::npos) break;
+    if (pattern[open] == '}') {
+      throw ValueError("expand_shard_pattern('" + pattern + "'): '}' without '{'");
+    }
+    const size_t close = pattern.find_first_of("{}", open + 1);
+    if (close == std::string::npos || pattern[close] == '{') {
+      throw ValueError("expand_shard_pattern('" + pattern + "'): '{' without its '}'");
+    }
+    const std::vector<std::string> numbers =
+        expand_range(pattern, pattern.substr(open + 1, close - open - 1));
+    if (paths.size() * numbers.size() > kMaxExpandedPaths) {
+      throw ValueError("expand_shard_pattern('" + pattern + "'): more than " +
+                       std::to_string(kMaxExpandedPaths) + " paths");
+    }
+    std::vector<std::string> expanded;
+    expanded.reserve(paths.size() * numbers.size());
+    for (const std::string& path : paths) {
+      for (const std::string& number : numbers) expanded.push_back(path + number);
+    }
+    paths = std::move(expanded);
+    position = close + 1;
+  }
+  return paths;
+}
+
+// ---- TarShardWriter --------------------------------------------------------------
+
+struct TarShardWriter::Impl {
+  std::string prefix;
+  size_t samples_per_shard = 0;
+  struct archive* archive = nullptr;  // the open shard, or null
+  std::string path;                   // the open shard's
+  size_t samples_in_shard = 0;
+  std::set<std::string> keys_in_shard;
+  size_t next_shard_number = 0;
+  std::vector<std::string> paths;
+  bool closed = false;
+  std::string failure;  // set after a failed write: the writer is unusable
+
+  ~Impl() { abandon(); }
+
+  // Frees the open shard without reporting anything.
+  void abandon() noexcept {
+    if (archive != nullptr) archive_write_free(archive);
+    archive = nullptr;
+  }
+
+  [[noreturn]] void fail(const std::string& what, const std::string& member) {
+    std::string reason = what;
+    if (archive != nullptr) reason += ": " + archive_reason(archive);
+    failure = path + ": " + reason;
+    abandon();
+    throw DataError(reason, path, member);
+  }
+
+  void check_usable() const {
+    if (closed) throw ValueError("TarShardWriter: write() after close()");
+    if (!failure.empty()) {
+      throw DataError("TarShardWriter is unusable after an earlier failure (" + failure + ")",
+                      path);
+    }
+  }
+
+  void open_shard() {
+    char number[32];
+    std::snprintf(number, sizeof number, "%06zu", next_shard_number++);
+    path = prefix + number + ".tar";
+    archive = archive_write_new();
+    if (archive == nullptr) fail("cannot allocate a libarchive writer", {});
+    if (archive_write_set_format_pax_restricted(archive) != ARCHIVE_OK) {
+      fail("cannot select the pax format", {});
+    }
+    // Stop after the end-of-archive blocks instead of padding to 10 KiB.
+    if (archive_write_set_bytes_in_last_block(archive, 1) != ARCHIVE_OK) {
+      fail("cannot set the last block's size", {});
+    }
+    if (archive_write_open_filename(archive, path.c_str()) != ARCHIVE_OK) {
+      fail("cannot create shard", {});
+    }
+    paths.push_back(path);
+    samples_in_shard = 0;
+    keys_in_shard.clear();
+  }
+
+  void finish_shard() {
+    if (archive == nullptr) return;
+    if (archive_write_close(archive) != ARCHIVE_OK) fail("cannot finish shard", {});
+    archive_write_free(archive);
+    archive = nullptr;
+  }
+
+  void write_member(const std::string& name, const std::vector<uint8_t>& bytes) {
+    std::unique_ptr<struct archive_entry, ArchiveEntryFree> entry(archive_entry_new());
+    if (!entry) fail("cannot allocate a tar entry", name);
+    archive_entry_set_pathname(entry.get(), name.c_str());
+    archive_entry_set_filetype(entry.get(), AE_IFREG);
+    archive_entry_set_perm(entry.get(), 0644);
+    archive_entry_set_size(entry.get(), static_cast<la_int64_t>(bytes.size()));
+    archive_entry_set_mtime(entry.get(), kFixedMtime, 0);
+    if (!succeeded(archive_write_header(archive, entry.get()))) {
+      fail("cannot write member header", name);
+    }
+    size_t written = 0;
+    while (written < bytes.size()) {
+      const la_ssize_t count =
+          archive_write_data(archive, bytes.data() + written, bytes.size() - written);
+      if (count <= 0) fail("cannot write member data", name);
+      written += static_cast<size_t>(count);
+    }
+    if (!succeeded(archive_write_finish_entry(archive))) fail("cannot finish member", name);
+  }
+};
+
+TarShardWriter::TarShardWriter(std::string prefix, size_t samples_per_shard)
+    : impl_(std::make_unique<Impl>()) {
+  if (samples_per_shard == 0) throw ValueError("TarShardWriter: samples_per_shard must be > 0");
+  impl_->prefix = std::move(prefix);
+  impl_->samples_per_shard = samples_per_shard;
+}
+
+TarShardWriter::~TarShardWriter() {
+  try {
+    if (!impl_->closed && impl_->failure.empty()) impl_->finish_shard();
+  } catch (...) {
+    // Destructors stay quiet; close() reports.
+  }
+}
+
+void TarShardWriter::write(const std::string& key,
+                           const std::map<std::string, std::vector<uint8_t>>& fields) {
+  Impl& impl = *impl_;
+  impl.check_usable();
+  // Names the reader would group differently are refused up front.
+  const size_t base = key.rfind('/') == std::string::npos ? 0 : key.rfind('/') + 1;
+  if (base == key.size() || key.find('.', base) != std::string::npos) {
+    throw ValueError("TarShardWriter: key '" + key + "' must end in a non-empty name without '.'");
+  }
+  if (fields.empty()) throw ValueError("TarShardWriter: sample '" + key + "' has no fields");
+  for (const auto& [field, bytes] : fields) {
+    if (field.empty() || field.find('/') != std::string::npos || field.find('\0') != field.npos) {
+      throw ValueError("TarShardWriter: sample '" + key + "' has an invalid field name '" + field +
+                       "'");
+    }
+  }
+  if (key.find('\0') != std::string::npos) {
+    throw ValueError("TarShardWriter: key contains a NUL character");
+  }
+  if (impl.archive != nullptr && impl.samples_in_shard == impl.samples_per_shard) {
+    impl.finish_shard();
+  }
+  if (impl.archive == nullptr) impl.open_shard();
+  if (!impl.keys_in_shard.insert(key).second) {
+    throw ValueError("TarShardWriter: key '" + key + "' is already in shard " + impl.path);
+  }
+  for (const auto& [field, bytes] : fields) impl.write_member(key + "." + field, bytes);
+  ++impl.samples_in_shard;
+}
+
+std::vector<std::string> TarShardWriter::close() {
+  Impl& impl = *impl_;
+  if (!impl.failure.empty()) impl.check_usable();
+  if (!impl.closed) {
+    impl.finish_shard();
+    impl.closed = true;
+  }
+  return impl.paths;
+}
+
+}  // namespace conveyor

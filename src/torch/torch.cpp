@@ -32,6 +32,20 @@ at::Tensor collate_traits<at::Tensor>::collate(std::vector<at::Tensor>&& samples
   return out;
 }
 
+torch::data::Example<at::Tensor, at::Tensor>
+collate_traits<torch::data::Example<at::Tensor, at::Tensor>>::collate(
+    std::vector<torch::data::Example<at::Tensor, at::Tensor>>&& samples) {
+  std::vector<at::Tensor> data, targets;
+  data.reserve(samples.size());
+  targets.reserve(samples.size());
+  for (auto& sample : samples) {
+    data.push_back(std::move(sample.data));
+    targets.push_back(std::move(sample.target));
+  }
+  return {collate_traits<at::Tensor>::collate(std::move(data)),
+          collate_traits<at::Tensor>::collate(std::move(targets))};
+}
+
 namespace {
 
 constexpr int kStateWords = 624;

@@ -1,1 +1,847 @@
-// (being written)
+#include <gtest/gtest.h>
+
+#include <conveyor/data_loader.h>
+#include <conveyor/generator.h>
+#include <conveyor/tar_shards.h>
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using conveyor::DataError;
+using conveyor::OnError;
+using conveyor::ShardSample;
+using conveyor::TarShardDataset;
+using conveyor::TarShardOptions;
+using conveyor::TarShardWriter;
+using Fields = std::map<std::string, std::vector<uint8_t>>;
+using Loader = conveyor::DataLoader<TarShardDataset, conveyor::DefaultConvert>;
+
+// A fresh directory under /tmp for one test, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = "/tmp/conveyor-tar-test-XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+std::string key_of(size_t index) {
+  char key[32];
+  std::snprintf(key, sizeof key, "%06zu", index);
+  return key;
+}
+
+std::vector<uint8_t> text(const std::string& value) { return {value.begin(), value.end()}; }
+
+// Sample `index`: a class label and a binary blob whose length and bytes
+// depend on the index (some blobs are empty).
+Fields fields_of(size_t index) {
+  std::vector<uint8_t> blob(37 * (index % 7) + index % 3);
+  for (size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<uint8_t>(index * 131 + i * 7);
+  return {{"cls", text(std::to_string(index % 10))}, {"bin", std::move(blob)}};
+}
+
+std::vector<std::string> write_samples(const std::string& prefix, size_t count, size_t per_shard) {
+  TarShardWriter writer(prefix, per_shard);
+  for (size_t i = 0; i < count; ++i) writer.write(key_of(i), fields_of(i));
+  return writer.close();
+}
+
+std::vector<ShardSample> drain(conveyor::SampleIterator<ShardSample>& samples) {
+  std::vector<ShardSample> out;
+  while (std::optional<ShardSample> sample = samples.next()) out.push_back(std::move(*sample));
+  return out;
+}
+
+std::vector<std::string> keys(const std::vector<ShardSample>& samples) {
+  std::vector<std::string> out;
+  for (const ShardSample& sample : samples) out.push_back(sample.key);
+  return out;
+}
+
+std::vector<std::string> key_range(size_t first, size_t end) {
+  std::vector<std::string> out;
+  for (size_t i = first; i < end; ++i) out.push_back(key_of(i));
+  return out;
+}
+
+template <class... Ranges>
+std::vector<std::string> concat(Ranges... ranges) {
+  std::vector<std::string> out;
+  (out.insert(out.end(), ranges.begin(), ranges.end()), ...);
+  return out;
+}
+
+std::vector<ShardSample> through_loader(TarShardDataset& dataset, int num_workers,
+                                        std::optional<uint64_t> seed = std::nullopt) {
+  Loader loader(dataset, {.batch_size = std::nullopt, .num_workers = num_workers, .seed = seed});
+  std::vector<ShardSample> out;
+  for (ShardSample& sample : loader) out.push_back(std::move(sample));
+  return out;
+}
+
+// The byte offset of the tar header of member `name` in a plain ustar file.
+size_t header_offset(const std::vector<uint8_t>& tar, const std::string& name) {
+  for (size_t offset = 0; offset + 512 <= tar.size(); offset += 512) {
+    if (std::memcmp(tar.data() + offset, name.c_str(), name.size() + 1) == 0) return offset;
+  }
+  throw std::runtime_error("no member " + name);
+}
+
+// A minimal ustar writer, independent of libarchive, for what TarShardWriter
+// never writes: directories, symlinks, odd names, repeated keys.
+class UstarBuilder {
+ public:
+  UstarBuilder& file(const std::string& name, const std::string& data) {
+    add(name, '0', data, "");
+    return *this;
+  }
+  UstarBuilder& directory(const std::string& name) {
+    add(name, '5', "", "");
+    return *this;
+  }
+  UstarBuilder& symlink(const std::string& name, const std::string& target) {
+    add(name, '2', "", target);
+    return *this;
+  }
+  std::vector<uint8_t> bytes() const {
+    std::vector<uint8_t> out = bytes_;
+    out.resize(out.size() + 1024, 0);  // end-of-archive blocks
+    return out;
+  }
+
+ private:
+  void add(const std::string& name, char type, const std::string& data, const std::string& link) {
+    std::vector<uint8_t> header(512, 0);
+    const auto put = [&](size_t offset, const std::string& value) {
+      std::memcpy(header.data() + offset, value.data(), value.size());
+    };
+    const auto octal = [](uint64_t value, int digits) {
+      char buffer[32];
+      std::snprintf(buffer, sizeof buffer, "%0*llo", digits,
+                    static_cast<unsigned long long>(value));
+      return std::string(buffer);
+    };
+    put(0, name);
+    put(100, octal(type == '5' ? 0755 : 0644, 7));
+    put(108, octal(0, 7));
+    put(116, octal(0, 7));
+    put(124, octal(data.size(), 11));
+    put(136, octal(0, 11));
+    put(148, "        ");
+    header[156] = static_cast<uint8_t>(type);
+    put(157, link);
+    put(257, "ustar");  // NUL-terminated by the zeroed header
+    put(263, "00");
+    unsigned checksum = 0;
+    for (uint8_t byte : header) checksum += byte;
+    put(148, octal(checksum, 6) + std::string("\0 ", 2));
+    bytes_.insert(bytes_.end(), header.begin(), header.end());
+    bytes_.insert(bytes_.end(), data.begin(), data.end());
+    bytes_.resize((bytes_.size() + 511) / 512 * 512, 0);
+  }
+
+  std::vector<uint8_t> bytes_;
+};
+
+TarShardOptions options_for(std::vector<std::string> shards) {
+  TarShardOptions options;
+  options.shards = std::move(shards);
+  return options;
+}
+
+// ---- writer and reader ---------------------------------------------------------
+
+TEST(TarShardWriter, RoundTripKeepsKeysFieldsAndBytes) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("train-"), 25, 10);
+  ASSERT_EQ(paths,
+            (std::vector<std::string>{dir.file("train-000000.tar"), dir.file("train-000001.tar"),
+                                      dir.file("train-000002.tar")}));
+  const std::vector<size_t> expected_sizes{10, 10, 5};
+  size_t index = 0;
+  for (size_t shard = 0; shard < paths.size(); ++shard) {
+    ASSERT_TRUE(fs::is_regular_file(paths[shard]));
+    const std::vector<uint8_t> bytes = read_bytes(paths[shard]);
+    const std::vector<ShardSample> samples = conveyor::read_shard(bytes, paths[shard], {});
+    ASSERT_EQ(samples.size(), expected_sizes[shard]);
+    for (const ShardSample& sample : samples) {
+      EXPECT_EQ(sample.key, key_of(index));
+      EXPECT_EQ(sample.shard, paths[shard]);
+      EXPECT_EQ(sample.fields, fields_of(index)) << sample.key;
+      ++index;
+    }
+  }
+  EXPECT_EQ(index, 25u);
+
+  // The dataset reads the same from the files.
+  TarShardDataset dataset(options_for(paths));
+  const std::vector<ShardSample> all = drain(*dataset.iter(nullptr));
+  ASSERT_EQ(all.size(), 25u);
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(all[i].key, key_of(i));
+    EXPECT_EQ(all[i].fields, fields_of(i));
+  }
+  EXPECT_EQ(all[12].shard, paths[1]);
+  EXPECT_EQ(dataset.skipped(), 0u);
+}
+
+TEST(TarShardWriter, ShardsAreByteReproducibleAndMembersSorted) {
+  TempDir dir;
+  const std::vector<std::string> first = write_samples(dir.file("a-"), 6, 6);
+  const std::vector<std::string> second = write_samples(dir.file("b-"), 6, 6);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(second.size(), 1u);
+  const std::vector<uint8_t> bytes = read_bytes(first[0]);
+  EXPECT_EQ(bytes, read_bytes(second[0]));
+  EXPECT_EQ(bytes.size() % 512, 0u);
+  // Members in field-name order: bin before cls, sample after sample.
+  EXPECT_LT(header_offset(bytes, "000000.bin"), header_offset(bytes, "000000.cls"));
+  EXPECT_LT(header_offset(bytes, "000000.cls"), header_offset(bytes, "000001.bin"));
+}
+
+TEST(TarShardWriter, KeepsDirectoriesDottedFieldsAndLongNames) {
+  TempDir dir;
+  const std::string long_key = "deep/" + std::string(150, 'k') + "/000123";
+  TarShardWriter writer(dir.file("odd-"), 100);
+  writer.write("a/b/000123", {{"seg.png", text("segmentation")}, {"jpg", text("image")}});
+  writer.write(long_key, {{"txt", text("far away")}});
+  writer.write("empty", {{"bin", {}}});
+  const std::string utf8_key =
+      "\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87/\xc3\xbc"
+      "000001";  // "ключ/ü000001"
+  writer.write(utf8_key, {{"txt", text("utf-8")}});
+  const std::vector<std::string> paths = writer.close();
+  ASSERT_EQ(paths.size(), 1u);
+
+  TarShardDataset dataset(options_for(paths));
+  const std::vector<ShardSample> samples = drain(*dataset.iter(nullptr));
+  ASSERT_EQ(samples.size(), 4u);
+  EXPECT_EQ(samples[3].key, utf8_key);
+  EXPECT_EQ(samples[3].fields, (Fields{{"txt", text("utf-8")}}));
+  EXPECT_EQ(samples[0].key, "a/b/000123");
+  EXPECT_EQ(samples[0].fields, (Fields{{"jpg", text("image")}, {"seg.png", text("segmentation")}}));
+  EXPECT_EQ(samples[1].key, long_key);
+  EXPECT_EQ(samples[1].fields, (Fields{{"txt", text("far away")}}));
+  EXPECT_EQ(samples[2].key, "empty");
+  EXPECT_EQ(samples[2].fields, (Fields{{"bin", {}}}));
+}
+
+TEST(TarShardWriter, DestructorFinishesTheOpenShard) {
+  TempDir dir;
+  {
+    TarShardWriter writer(dir.file("d-"), 4);
+    for (size_t i = 0; i < 6; ++i) writer.write(key_of(i), fields_of(i));
+  }
+  TarShardDataset dataset(options_for({dir.file("d-000000.tar"), dir.file("d-000001.tar")}));
+  EXPECT_EQ(keys(drain(*dataset.iter(nullptr))), key_range(0, 6));
+  EXPECT_FALSE(fs::exists(dir.file("d-000002.tar")));
+}
+
+TEST(TarShardWriter, RejectsWhatCannotBeReadBack) {
+  TempDir dir;
+  EXPECT_THROW(TarShardWriter(dir.file("x-"), 0), conveyor::ValueError);
+  TarShardWriter writer(dir.file("x-"), 10);
+  EXPECT_THROW(writer.write("", {{"a", {}}}), conveyor::ValueError);
+  EXPECT_THROW(writer.write("dir/", {{"a", {}}}), conveyor::ValueError);
+  EXPECT_THROW(writer.write("has.dot", {{"a", {}}}), conveyor::ValueError);
+  EXPECT_THROW(writer.write("nofields", {}), conveyor::ValueError);
+  EXPECT_THROW(writer.write("k", {{"", {}}}), conveyor::ValueError);
+  EXPECT_THROW(writer.write("k", {{"a/b", {}}}), conveyor::ValueError);
+  writer.write("k", {{"a", text("1")}});
+  EXPECT_THROW(writer.write("k", {{"b", text("2")}}), conveyor::ValueError);  // same shard
+  EXPECT_EQ(writer.close(), std::vector<std::string>{dir.file("x-000000.tar")});
+  EXPECT_THROW(writer.write("later", {{"a", {}}}), conveyor::ValueError);
+  EXPECT_EQ(writer.close(), std::vector<std::string>{dir.file("x-000000.tar")});
+}
+
+TEST(TarShardWriter, UnwritableShardThrowsDataErrorNamingIt) {
+  TempDir dir;
+  const std::string prefix = dir.file("missing-dir/s-");
+  TarShardWriter writer(prefix, 10);
+  try {
+    writer.write("k", {{"a", text("1")}});
+    FAIL() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), prefix + "000000.tar");
+    EXPECT_NE(std::string(error.what()).find(prefix + "000000.tar"), std::string::npos);
+  }
+  EXPECT_THROW(writer.close(), DataError);
+}
+
+TEST(TarShardWriter, NoSamplesNoShards) {
+  TempDir dir;
+  TarShardWriter writer(dir.file("none-"), 3);
+  EXPECT_TRUE(writer.close().empty());
+  EXPECT_FALSE(fs::exists(dir.file("none-000000.tar")));
+}
+
+TEST(TarShardReader, ReadsForeignTarsAndSkipsNonRegularEntries) {
+  const std::vector<uint8_t> tar = UstarBuilder()
+                                       .directory("a/")
+                                       .directory("a/b/")
+                                       .file("a/b/0001.txt", "hello")
+                                       .symlink("a/b/0001.lnk", "0001.txt")
+                                       .file("a/b/0001.seg.png", "png!")
+                                       .file("./0002.cls", "7")
+                                       .bytes();
+  uint64_t skipped = 0;
+  const std::vector<ShardSample> samples =
+      conveyor::read_shard(tar, "mem.tar", {}, OnError::skip, &skipped);
+  EXPECT_EQ(skipped, 0u);
+  ASSERT_EQ(samples.size(), 2u);
+  EXPECT_EQ(samples[0].key, "a/b/0001");
+  EXPECT_EQ(samples[0].shard, "mem.tar");
+  EXPECT_EQ(samples[0].fields, (Fields{{"txt", text("hello")}, {"seg.png", text("png!")}}));
+  EXPECT_EQ(samples[1].key, "./0002");
+  EXPECT_EQ(samples[1].fields, (Fields{{"cls", text("7")}}));
+}
+
+// ---- expand_shard_pattern -------------------------------------------------------
+
+TEST(TarExpandShardPattern, ExpandsRangesKeepingPadding) {
+  using conveyor::expand_shard_pattern;
+  const std::vector<std::string> twelve = expand_shard_pattern("dir/train-{000000..000011}.tar");
+  ASSERT_EQ(twelve.size(), 12u);
+  EXPECT_EQ(twelve.front(), "dir/train-000000.tar");
+  EXPECT_EQ(twelve[9], "dir/train-000009.tar");
+  EXPECT_EQ(twelve.back(), "dir/train-000011.tar");
+  EXPECT_EQ(expand_shard_pattern("s{8..11}.tar"),
+            (std::vector<std::string>{"s8.tar", "s9.tar", "s10.tar", "s11.tar"}));
+  EXPECT_EQ(expand_shard_pattern("s{09..10}"), (std::vector<std::string>{"s09", "s10"}));
+  EXPECT_EQ(expand_shard_pattern("s{7..7}"), (std::vector<std::string>{"s7"}));
+  EXPECT_EQ(expand_shard_pattern("{0..1}-{00..01}"),
+            (std::vector<std::string>{"0-00", "0-01", "1-00", "1-01"}));
+  EXPECT_EQ(expand_shard_pattern("plain/path.tar"), (std::vector<std::string>{"plain/path.tar"}));
+  EXPECT_EQ(expand_shard_pattern(""), (std::vector<std::string>{""}));
+}
+
+TEST(TarExpandShardPattern, MalformedRangesThrowValueError) {
+  using conveyor::expand_shard_pattern;
+  for (const char* pattern :
+       {"s{1..}", "s{..3}", "s{1...3}", "s{a..b}", "s{1-3}", "s{1..3", "s1..3}", "s{}", "s{{1..2}}",
+        "s{5..2}", "s{1..-2}", "s{0..99999999999999999999}", "s{0..99999999}"}) {
+    EXPECT_THROW(expand_shard_pattern(pattern), conveyor::ValueError) << pattern;
+  }
+}
+
+// ---- distribution across workers and ranks ------------------------------------------
+
+TEST(TarShardDataset, RejectsBadOptions) {
+  EXPECT_THROW(TarShardDataset(options_for({})), conveyor::ValueError);
+  TarShardOptions replicas = options_for({"a.tar"});
+  replicas.num_replicas = 0;
+  EXPECT_THROW(TarShardDataset{replicas}, conveyor::ValueError);
+  TarShardOptions rank = options_for({"a.tar"});
+  rank.num_replicas = 2;
+  rank.rank = 2;
+  EXPECT_THROW(TarShardDataset{rank}, conveyor::ValueError);
+  rank.rank = -1;
+  EXPECT_THROW(TarShardDataset{rank}, conveyor::ValueError);
+}
+
+TEST(TarShardDataset, SplitsShardsByRankThenWorker) {
+  std::vector<std::string> shards;
+  for (int i = 0; i < 7; ++i) shards.push_back("s" + std::to_string(i));
+  TarShardOptions options = options_for(shards);
+  options.num_replicas = 2;
+  options.rank = 1;
+  TarShardDataset dataset(options);
+  EXPECT_EQ(dataset.shards_for(nullptr), (std::vector<std::string>{"s1", "s3", "s5"}));
+  conveyor::WorkerInfo worker;
+  worker.id = 0;
+  worker.num_workers = 2;
+  EXPECT_EQ(dataset.shards_for(&worker), (std::vector<std::string>{"s1", "s5"}));
+  worker.id = 1;
+  EXPECT_EQ(dataset.shards_for(&worker), (std::vector<std::string>{"s3"}));
+  // More workers than shards: the extra worker reads nothing.
+  worker.num_workers = 4;
+  worker.id = 3;
+  EXPECT_TRUE(dataset.shards_for(&worker).empty());
+  EXPECT_FALSE(dataset.iter(&worker)->next().has_value());
+}
+
+class TarShardLoader : public ::testing::TestWithParam<int> {};
+
+TEST_P(TarShardLoader, EverySampleArrivesExactlyOnce) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("l-"), 23, 4);  // 6 shards
+  ASSERT_EQ(paths.size(), 6u);
+  TarShardDataset dataset(options_for(paths));
+  const std::vector<ShardSample> samples = through_loader(dataset, GetParam());
+  std::vector<std::string> seen = keys(samples);
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, key_range(0, 23));
+  for (const ShardSample& sample : samples) {
+    const size_t index = std::stoul(sample.key);
+    EXPECT_EQ(sample.fields, fields_of(index));
+    EXPECT_EQ(sample.shard, paths[index / 4]);
+  }
+}
+
+TEST_P(TarShardLoader, TwoRanksTogetherSeeEverySampleOnce) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("r-"), 23, 4);
+  std::vector<std::string> seen;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    TarShardOptions options = options_for(paths);
+    options.num_replicas = 2;
+    options.rank = rank;
+    options.shuffle_shards = true;
+    options.seed = 11;
+    TarShardDataset dataset(options);
+    const std::vector<std::string> rank_keys = keys(through_loader(dataset, GetParam()));
+    EXPECT_FALSE(rank_keys.empty());
+    seen.insert(seen.end(), rank_keys.begin(), rank_keys.end());
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, key_range(0, 23));
+}
+
+INSTANTIATE_TEST_SUITE_P(TarWorkers, TarShardLoader, ::testing::Values(0, 1, 2, 3));
+
+// ---- shuffling ----------------------------------------------------------------
+
+TEST(TarShardShuffle, ShardOrderFollowsEpochAndAgreesAcrossRanks) {
+  std::vector<std::string> shards;
+  for (int i = 0; i < 12; ++i) shards.push_back("s" + std::to_string(i));
+  TarShardOptions options = options_for(shards);
+  options.shuffle_shards = true;
+  options.seed = 5;
+  TarShardDataset whole(options);
+  const std::vector<std::string> epoch0 = whole.shards_for(nullptr);
+  whole.set_epoch(1);
+  const std::vector<std::string> epoch1 = whole.shards_for(nullptr);
+  whole.set_epoch(0);
+  EXPECT_EQ(whole.shards_for(nullptr), epoch0);
+  EXPECT_NE(epoch0, epoch1);
+  EXPECT_NE(epoch0, shards);
+  for (const auto& order : {epoch0, epoch1}) {
+    EXPECT_TRUE(std::is_permutation(order.begin(), order.end(), shards.begin(), shards.end()));
+  }
+
+  // Every rank slices the same permutation: rank r gets order[r::3].
+  for (uint64_t epoch : {0u, 1u}) {
+    const std::vector<std::string>& order = epoch == 0 ? epoch0 : epoch1;
+    for (int64_t rank = 0; rank < 3; ++rank) {
+      TarShardOptions ranked = options;
+      ranked.num_replicas = 3;
+      ranked.rank = rank;
+      TarShardDataset dataset(ranked);
+      dataset.set_epoch(epoch);
+      std::vector<std::string> expected;
+      for (size_t i = static_cast<size_t>(rank); i < order.size(); i += 3) {
+        expected.push_back(order[i]);
+      }
+      EXPECT_EQ(dataset.shards_for(nullptr), expected) << "rank " << rank << " epoch " << epoch;
+    }
+  }
+}
+
+TEST(TarShardShuffle, LoaderSetEpochReordersShards) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("e-"), 30, 3);  // 10 shards
+  TarShardOptions options = options_for(paths);
+  options.shuffle_shards = true;
+  options.seed = 3;
+  TarShardDataset dataset(options);
+  Loader loader(dataset, {.batch_size = std::nullopt});
+  const auto pass = [&](uint64_t epoch) {
+    loader.set_epoch(epoch);
+    std::vector<std::string> order;
+    for (ShardSample& sample : loader) order.push_back(sample.key);
+    return order;
+  };
+  const std::vector<std::string> first = pass(0);
+  const std::vector<std::string> second = pass(1);
+  EXPECT_EQ(pass(0), first);
+  EXPECT_NE(first, second);
+  EXPECT_NE(first, key_range(0, 30));
+  for (auto order : {first, second}) {
+    std::sort(order.begin(), order.end());
+    EXPECT_EQ(order, key_range(0, 30));
+  }
+}
+
+TEST(TarShardShuffle, BufferShufflesReproduciblyPerLoaderSeed) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("b-"), 40, 5);  // 8 shards
+  TarShardOptions options = options_for(paths);
+  options.shuffle_buffer = 8;
+  TarShardDataset dataset(options);
+  const std::vector<std::string> first = keys(through_loader(dataset, 2, 42));
+  const std::vector<std::string> again = keys(through_loader(dataset, 2, 42));
+  const std::vector<std::string> other_seed = keys(through_loader(dataset, 2, 43));
+  EXPECT_EQ(first, again);
+  EXPECT_NE(first, other_seed);
+
+  TarShardDataset unshuffled(options_for(paths));
+  const std::vector<std::string> in_order = keys(through_loader(unshuffled, 2, 42));
+  EXPECT_NE(first, in_order);
+  std::vector<std::string> sorted = first;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, key_range(0, 40));
+
+  // One worker reads the samples in key order; a buffer of 8 lets none come
+  // out more than 8 places before its turn.
+  const std::vector<std::string> single = keys(through_loader(dataset, 1, 42));
+  ASSERT_EQ(single.size(), 40u);
+  EXPECT_NE(single, key_range(0, 40));
+  for (size_t position = 0; position < single.size(); ++position) {
+    EXPECT_LE(std::stoul(single[position]), position + 8) << single[position];
+  }
+}
+
+TEST(TarShardShuffle, BufferOnConsumerThreadFollowsDefaultGenerator) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("g-"), 20, 20);
+  TarShardOptions options = options_for(paths);
+  options.shuffle_buffer = 100;  // larger than the data: everything is drained at the end
+  TarShardDataset dataset(options);
+  conveyor::manual_seed(9);
+  const std::vector<std::string> first = keys(drain(*dataset.iter(nullptr)));
+  conveyor::manual_seed(9);
+  const std::vector<std::string> again = keys(drain(*dataset.iter(nullptr)));
+  conveyor::manual_seed(10);
+  const std::vector<std::string> other_seed = keys(drain(*dataset.iter(nullptr)));
+  EXPECT_EQ(first, again);
+  EXPECT_NE(first, other_seed);
+  EXPECT_NE(first, key_range(0, 20));
+  std::vector<std::string> sorted = first;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, key_range(0, 20));
+}
+
+// ---- errors --------------------------------------------------------------------------
+
+// Drains `dataset` on the consumer thread, collecting keys and DataErrors
+// (the iterator goes on after each).
+struct Drained {
+  std::vector<std::string> keys;
+  std::vector<DataError> errors;
+};
+Drained drain_with_errors(TarShardDataset& dataset) {
+  Drained out;
+  auto samples = dataset.iter(nullptr);
+  for (int guard = 0; guard < 10000; ++guard) {
+    try {
+      std::optional<ShardSample> sample = samples->next();
+      if (!sample) return out;
+      out.keys.push_back(sample->key);
+    } catch (const DataError& error) {
+      out.errors.push_back(error);
+    }
+  }
+  ADD_FAILURE() << "the iterator never ended";
+  return out;
+}
+
+bool mentions(const DataError& error, const std::string& text) {
+  return std::string(error.what()).find(text) != std::string::npos;
+}
+
+TarShardOptions with_policy(std::vector<std::string> shards, OnError on_error) {
+  TarShardOptions options = options_for(std::move(shards));
+  options.on_error = on_error;
+  return options;
+}
+
+TEST(TarShardErrors, MissingShardFile) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("m-"), 8, 4);
+  const std::string missing = dir.file("nowhere.tar");
+  const std::vector<std::string> shards{paths[0], missing, paths[1]};
+
+  TarShardDataset raising(with_policy(shards, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, key_range(0, 8));  // goes on with the next shard
+  ASSERT_EQ(raised.errors.size(), 1u);
+  EXPECT_EQ(raised.errors[0].file(), missing);
+  EXPECT_TRUE(mentions(raised.errors[0], missing));
+  EXPECT_TRUE(mentions(raised.errors[0], "No such file"));
+  EXPECT_EQ(raising.skipped(), 0u);
+
+  TarShardDataset skipping(with_policy(shards, OnError::skip));
+  const Drained skipped = drain_with_errors(skipping);
+  EXPECT_EQ(skipped.keys, key_range(0, 8));
+  EXPECT_TRUE(skipped.errors.empty());
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST(TarShardErrors, ShardCutInTheMiddleOfAMember) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("t-"), 10, 5);
+  std::vector<uint8_t> bytes = read_bytes(paths[0]);
+  bytes.resize(header_offset(bytes, "000002.bin") + 512 + 30);  // 30 of its 76 bytes
+  write_bytes(paths[0], bytes);
+
+  TarShardDataset raising(with_policy(paths, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, concat(key_range(0, 2), key_range(5, 10)));
+  ASSERT_EQ(raised.errors.size(), 1u);
+  const DataError& error = raised.errors[0];
+  EXPECT_EQ(error.file(), paths[0]);
+  EXPECT_EQ(error.member(), "000002.bin");
+  EXPECT_EQ(error.sample(), 2);
+  EXPECT_TRUE(mentions(error, paths[0]));
+  EXPECT_TRUE(mentions(error, "000002.bin"));
+  EXPECT_TRUE(mentions(error, "runcated"));
+
+  TarShardDataset skipping(with_policy(paths, OnError::skip));
+  const Drained skipped = drain_with_errors(skipping);
+  EXPECT_EQ(skipped.keys, raised.keys);
+  EXPECT_TRUE(skipped.errors.empty());
+  EXPECT_EQ(skipping.skipped(), 1u);  // the rest of the shard counts once
+}
+
+TEST(TarShardErrors, ShardCutInTheMiddleOfAHeader) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("h-"), 5, 5);
+  std::vector<uint8_t> bytes = read_bytes(paths[0]);
+  bytes.resize(header_offset(bytes, "000003.bin") + 100);
+  write_bytes(paths[0], bytes);
+  TarShardDataset raising(with_policy(paths, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, key_range(0, 2));  // sample 2 may be incomplete: dropped
+  ASSERT_EQ(raised.errors.size(), 1u);
+  EXPECT_EQ(raised.errors[0].file(), paths[0]);
+  EXPECT_EQ(raised.errors[0].sample(), 2);
+  EXPECT_TRUE(mentions(raised.errors[0], "000002.cls"));  // the last good member
+
+  TarShardDataset skipping(with_policy(paths, OnError::skip));
+  EXPECT_EQ(drain_with_errors(skipping).keys, key_range(0, 2));
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST(TarShardErrors, ShardCutAtAMemberBoundaryIsNotSilentlyShort) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("c-"), 5, 5);
+  std::vector<uint8_t> bytes = read_bytes(paths[0]);
+  // Ends right after sample 2's last member: a valid-looking prefix with no
+  // end-of-archive blocks, which libarchive alone accepts.
+  bytes.resize(header_offset(bytes, "000003.bin"));
+  write_bytes(paths[0], bytes);
+
+  TarShardDataset raising(with_policy(paths, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, key_range(0, 2));
+  ASSERT_EQ(raised.errors.size(), 1u);
+  EXPECT_EQ(raised.errors[0].file(), paths[0]);
+  EXPECT_EQ(raised.errors[0].member(), "000002.cls");
+  EXPECT_TRUE(mentions(raised.errors[0], "end-of-archive"));
+
+  TarShardDataset skipping(with_policy(paths, OnError::skip));
+  EXPECT_EQ(drain_with_errors(skipping).keys, key_range(0, 2));
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST(TarShardErrors, GarbageBytes) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("g-"), 4, 4);
+  const std::string garbage = dir.file("garbage.tar");
+  std::vector<uint8_t> noise(3000);
+  for (size_t i = 0; i < noise.size(); ++i) {
+    noise[i] = static_cast<uint8_t>((i * 2654435761u) >> 13);
+  }
+  write_bytes(garbage, noise);
+  const std::string empty = dir.file("empty.tar");
+  write_bytes(empty, {});
+  const std::vector<std::string> shards{garbage, paths[0], empty};
+
+  TarShardDataset raising(with_policy(shards, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, key_range(0, 4));
+  ASSERT_EQ(raised.errors.size(), 2u);
+  EXPECT_EQ(raised.errors[0].file(), garbage);
+  EXPECT_TRUE(mentions(raised.errors[0], garbage));
+  EXPECT_EQ(raised.errors[1].file(), empty);
+
+  TarShardDataset skipping(with_policy(shards, OnError::skip));
+  EXPECT_EQ(drain_with_errors(skipping).keys, key_range(0, 4));
+  EXPECT_EQ(skipping.skipped(), 2u);
+}
+
+TEST(TarShardErrors, CorruptHeaderInTheMiddle) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("x-"), 6, 6);
+  std::vector<uint8_t> bytes = read_bytes(paths[0]);
+  const size_t header = header_offset(bytes, "000004.bin");
+  for (size_t i = 0; i < 512; ++i) bytes[header + i] = static_cast<uint8_t>(0xA5 ^ i);
+  write_bytes(paths[0], bytes);
+
+  TarShardDataset raising(with_policy(paths, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, key_range(0, 3));
+  ASSERT_EQ(raised.errors.size(), 1u);
+  EXPECT_EQ(raised.errors[0].file(), paths[0]);
+  EXPECT_TRUE(mentions(raised.errors[0], "after member '000003.cls'"));
+
+  TarShardDataset skipping(with_policy(paths, OnError::skip));
+  EXPECT_EQ(drain_with_errors(skipping).keys, key_range(0, 3));
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST(TarShardErrors, MissingRequiredField) {
+  TempDir dir;
+  TarShardWriter writer(dir.file("f-"), 100);
+  for (size_t i = 0; i < 6; ++i) {
+    Fields fields = fields_of(i);
+    if (i == 3) fields.erase("cls");
+    writer.write(key_of(i), fields);
+  }
+  const std::vector<std::string> paths = writer.close();
+
+  TarShardOptions options = with_policy(paths, OnError::raise);
+  options.required_fields = {"bin", "cls"};
+  TarShardDataset raising(options);
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, concat(key_range(0, 3), key_range(4, 6)));
+  ASSERT_EQ(raised.errors.size(), 1u);
+  const DataError& error = raised.errors[0];
+  EXPECT_EQ(error.file(), paths[0]);
+  EXPECT_EQ(error.member(), "000003");
+  EXPECT_EQ(error.sample(), 3);
+  EXPECT_TRUE(mentions(error, paths[0]));
+  EXPECT_TRUE(mentions(error, "'cls'"));
+
+  options.on_error = OnError::skip;
+  TarShardDataset skipping(options);
+  const Drained skipped = drain_with_errors(skipping);
+  EXPECT_EQ(skipped.keys, raised.keys);
+  EXPECT_EQ(skipping.skipped(), 1u);
+
+  // The last sample of a shard is checked too.
+  options.required_fields = {"bin", "cls", "jpg"};
+  TarShardDataset none(options);
+  EXPECT_TRUE(drain_with_errors(none).keys.empty());
+  EXPECT_EQ(none.skipped(), 6u);
+}
+
+TEST(TarShardErrors, RepeatedKey) {
+  TempDir dir;
+  const std::string shard = dir.file("repeat.tar");
+  write_bytes(shard, UstarBuilder()
+                         .file("000001.a", "a1")
+                         .file("000001.b", "b1")
+                         .file("000002.a", "a2")
+                         .file("000001.c", "c1")
+                         .file("000001.d", "d1")
+                         .file("000003.a", "a3")
+                         .bytes());
+
+  TarShardDataset raising(with_policy({shard}, OnError::raise));
+  const Drained raised = drain_with_errors(raising);
+  EXPECT_EQ(raised.keys, (std::vector<std::string>{"000001", "000002", "000003"}));
+  ASSERT_EQ(raised.errors.size(), 1u);
+  const DataError& error = raised.errors[0];
+  EXPECT_EQ(error.file(), shard);
+  EXPECT_EQ(error.member(), "000001.c");
+  EXPECT_EQ(error.sample(), 2);
+  EXPECT_TRUE(mentions(error, shard));
+  EXPECT_TRUE(mentions(error, "key '000001'"));
+
+  TarShardDataset skipping(with_policy({shard}, OnError::skip));
+  EXPECT_EQ(drain_with_errors(skipping).keys, raised.keys);
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST(TarShardErrors, BadMemberNamesAndRepeatedFields) {
+  const std::vector<uint8_t> tar = UstarBuilder()
+                                       .file("README", "no field")  // sample 0
+                                       .file("0001.a", "1")
+                                       .file("0001.a", "again")           // sample 1: twice
+                                       .file("0002.", "empty field")      // sample 2
+                                       .file("dir/.hidden", "empty key")  // sample 3
+                                       .file("0005.a", "5")
+                                       .bytes();
+  uint64_t skipped = 0;
+  const std::vector<ShardSample> kept =
+      conveyor::read_shard(tar, "names.tar", {}, OnError::skip, &skipped);
+  EXPECT_EQ(keys(kept), (std::vector<std::string>{"0005"}));
+  EXPECT_EQ(skipped, 4u);
+  try {
+    conveyor::read_shard(tar, "names.tar", {});
+    FAIL() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), "names.tar");
+    EXPECT_EQ(error.member(), "README");
+    EXPECT_EQ(error.sample(), 0);
+  }
+}
+
+TEST(TarShardErrors, SkipsAreCountedAcrossLoaderWorkers) {
+  TempDir dir;
+  std::vector<std::string> paths = write_samples(dir.file("w-"), 12, 3);  // 4 shards
+  std::vector<uint8_t> bytes = read_bytes(paths[1]);
+  // 000004.cls whole, then half of 000005.bin's header: sample 4 may be
+  // incomplete and is lost with the rest.
+  bytes.resize(header_offset(bytes, "000004.cls") + 1024 + 188);
+  write_bytes(paths[1], bytes);
+  paths.push_back(dir.file("absent.tar"));
+  TarShardDataset dataset(with_policy(paths, OnError::skip));
+  std::vector<std::string> seen = keys(through_loader(dataset, 2));
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, concat(key_range(0, 4), key_range(6, 12)));
+  EXPECT_EQ(dataset.skipped(), 2u);
+  // Counted again on every pass.
+  through_loader(dataset, 3);
+  EXPECT_EQ(dataset.skipped(), 4u);
+}
+
+TEST(TarShardErrors, RaiseReachesTheLoaderConsumerAsWorkerError) {
+  TempDir dir;
+  const std::string missing = dir.file("absent.tar");
+  TarShardDataset dataset(options_for({missing}));
+  Loader loader(dataset, {.batch_size = std::nullopt, .num_workers = 1});
+  auto epoch = loader.iter();
+  try {
+    epoch.next();
+    FAIL() << "no WorkerError";
+  } catch (const conveyor::WorkerError& error) {
+    try {
+      std::rethrow_exception(error.original());
+    } catch (const DataError& original) {
+      EXPECT_EQ(original.file(), missing);
+    }
+  }
+}
+
+}  // namespace

@@ -142,3 +142,57 @@ TEST(ArrayToTensor, SharesMemory) {
 }
 
 }  // namespace
+
+// LibTorch's own MNIST reader, run through conveyor's loader, must agree with
+// conveyor's IDX reader on the same (decompressed) Fashion-MNIST test set.
+#include <conveyor/idx.h>
+#include <torch/data/datasets/mnist.h>
+#include <zlib.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <unistd.h>
+
+namespace {
+
+void gunzip(const std::string& from, const std::string& to) {
+  gzFile in = gzopen(from.c_str(), "rb");
+  ASSERT_NE(in, nullptr) << from;
+  std::FILE* out = std::fopen(to.c_str(), "wb");
+  ASSERT_NE(out, nullptr) << to;
+  char buffer[1 << 16];
+  int n = 0;
+  while ((n = gzread(in, buffer, sizeof buffer)) > 0) std::fwrite(buffer, 1, static_cast<size_t>(n), out);
+  std::fclose(out);
+  gzclose(in);
+}
+
+TEST(FromTorchDataset, LibTorchsMnistReaderAgreesWithConveyorsThroughTheLoader) {
+  const std::string source = conveyor::kFashionMnistDirectory;
+  const std::string dir = "/tmp/conveyor-torch-mnist-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  gunzip(source + "/t10k-images-idx3-ubyte.gz", dir + "/t10k-images-idx3-ubyte");
+  gunzip(source + "/t10k-labels-idx1-ubyte.gz", dir + "/t10k-labels-idx1-ubyte");
+
+  conveyor::FromTorchDataset<torch::data::datasets::MNIST> theirs(
+      torch::data::datasets::MNIST(dir, torch::data::datasets::MNIST::Mode::kTest));
+  auto ours = conveyor::IdxImageDataset::from_directory(source, false);
+  ASSERT_EQ(theirs.size(), ours.size());
+
+  conveyor::DataLoader loader(theirs, {.batch_size = 500, .num_workers = 2});
+  size_t index = 0;
+  for (auto& batch : loader) {
+    ASSERT_EQ(batch.data.sizes(), (at::IntArrayRef{batch.data.size(0), 1, 28, 28}));
+    for (int64_t row = 0; row < batch.data.size(0); ++row, ++index) {
+      const conveyor::LabeledImage mine = ours.get(index);
+      const at::Tensor expected =
+          conveyor::to_tensor(mine.image).to(at::kFloat).div(255);  // MNIST scales to [0, 1]
+      ASSERT_TRUE(at::allclose(batch.data[row], expected)) << "image " << index;
+      ASSERT_EQ(batch.target[row].item<int64_t>(), mine.label) << "label " << index;
+    }
+  }
+  EXPECT_EQ(index, ours.size());
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace

@@ -233,9 +233,9 @@ class DataLoader {
                                                             epoch);
     }
     if constexpr (MapStyleDataset<D>) {
-      return std::make_unique<detail::InlineMapSource<D, C>>(core_);
+      return std::make_unique<detail::InlineMapSource<D, C>>(core_, base_seed, epoch);
     } else {
-      return std::make_unique<detail::InlineIterableSource<D, C>>(core_);
+      return std::make_unique<detail::InlineIterableSource<D, C>>(core_, base_seed, epoch);
     }
   }
 

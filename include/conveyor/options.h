@@ -28,7 +28,8 @@ enum class Scheduling {
   round_robin,
   // Any free worker takes the next batch. Each batch's default_generator()
   // is seeded from (base_seed, epoch, batch seq), so augmentations are the
-  // same for any num_workers, and one slow batch does not idle the rest.
+  // same for any num_workers (0 included), and one slow batch does not idle
+  // the rest.
   work_stealing,
 };
 

@@ -86,7 +86,7 @@ struct ReadyBatch {
 };
 
 // The seed of batch `batch_index`'s generator under work_stealing: the same
-// for any number of workers.
+// for any number of workers (declared again in loader_core.h).
 uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index);
 
 // What the consumer sees of the engine's progress (for metrics and tests).

@@ -15,6 +15,7 @@
 #include "conveyor/collate.h"
 #include "conveyor/dataset.h"
 #include "conveyor/detail/failure.h"
+#include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/errors.h"
 #include "conveyor/sampler.h"
@@ -69,6 +70,25 @@ class BatchSource {
 // every task it started) keeps what it uses alive.
 template <class D, class C>
 class WorkerPool;
+
+// Defined with the engine (runtime/engine.cpp).
+uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index);
+
+// Under work_stealing each batch draws from its own generator, seeded from
+// (base_seed, epoch, batch), also without workers: the same augmentations
+// for any num_workers, 0 included. Otherwise code in the consumer's thread
+// draws from the process's default generator, as in PyTorch.
+class InlineBatchScope {
+ public:
+  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch) {
+    if (plan.scheduling == Scheduling::work_stealing) {
+      scope_.emplace(nullptr, work_stealing_seed(base_seed, epoch, batch));
+    }
+  }
+
+ private:
+  std::optional<WorkerScope> scope_;
+};
 
 template <class D, class C>
 struct LoaderCore {
@@ -141,13 +161,17 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
  public:
   using batch_type = typename LoaderCore<D, C>::batch_type;
 
-  explicit InlineMapSource(std::shared_ptr<const LoaderCore<D, C>> core)
-      : core_(std::move(core)), batches_(core_->plan.index_sampler->iter()) {}
+  InlineMapSource(std::shared_ptr<const LoaderCore<D, C>> core, int64_t base_seed, uint64_t epoch)
+      : core_(std::move(core)),
+        batches_(core_->plan.index_sampler->iter()),
+        base_seed_(base_seed),
+        epoch_(epoch) {}
 
   std::optional<batch_type> next() override {
     if (!batches_->next(indices_)) return std::nullopt;
     const uint64_t seq = next_seq_++;
     const char* stage = "fetch";
+    InlineBatchScope scope(core_->plan, base_seed_, epoch_, seq);
     try {
       return core_->make_batch(indices_, stage);
     } catch (...) {
@@ -159,6 +183,8 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
   std::shared_ptr<const LoaderCore<D, C>> core_;
   std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
   BatchIndices indices_;
+  int64_t base_seed_;
+  uint64_t epoch_;
   uint64_t next_seq_ = 0;
 };
 
@@ -169,8 +195,11 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
   using batch_type = typename LoaderCore<D, C>::batch_type;
   using sample_type = typename LoaderCore<D, C>::sample_type;
 
-  explicit InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core)
-      : core_(std::move(core)), replica_(core_->dataset->iter(nullptr)) {}
+  InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core, int64_t base_seed, uint64_t epoch)
+      : core_(std::move(core)),
+        replica_(core_->dataset->iter(nullptr)),
+        base_seed_(base_seed),
+        epoch_(epoch) {}
 
   std::optional<batch_type> next() override {
     if (exhausted_) return std::nullopt;
@@ -178,6 +207,7 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
     const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
     const uint64_t seq = next_seq_++;
     const char* stage = "iterate";
+    InlineBatchScope scope(plan, base_seed_, epoch_, seq);
     try {
       std::vector<sample_type> samples;
       samples.reserve(wanted);
@@ -200,6 +230,8 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
  private:
   std::shared_ptr<const LoaderCore<D, C>> core_;
   std::unique_ptr<SampleIterator<sample_type>> replica_;
+  int64_t base_seed_;
+  uint64_t epoch_;
   bool exhausted_ = false;
   uint64_t next_seq_ = 0;
 };

@@ -17,9 +17,11 @@
 #include <bit>
 #include <cstdint>
 #include <new>
+#include <optional>
 #include <utility>
 
 #include "conveyor/detail/check.h"
+#include "conveyor/transfer.h"
 
 namespace conveyor::detail {
 namespace {
@@ -31,51 +33,79 @@ constexpr size_t kControlBytes = 64;    // room for libstdc++'s control block
 
 struct PoolState;
 
-// One allocation: this header, then the data at a 64-byte boundary.
+// One allocation: this header, then the data at a 64-byte boundary. Pinned
+// pools allocate the whole block page-locked and give it a device twin.
 struct alignas(kAlignment) Block {
   std::shared_ptr<PoolState> pool;  // set while handed out; empty on a free list
   size_t size_class = 0;
+  // Pinned pools: the device buffer of the same capacity (allocated on the
+  // first transfer, reused with the block) and the event of its last copy,
+  // which must complete before the block is written again. Owned by whoever
+  // holds the block's buffer.
+  void* device_twin = nullptr;
+  TransferEvent last_copy;
   alignas(16) std::byte control[kControlBytes];  // the shared_ptr's control block
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + sizeof(Block); }
+  size_t capacity() const { return kMinClassBytes << size_class; }
   static size_t bytes_for(size_t size_class) { return sizeof(Block) + (kMinClassBytes << size_class); }
 };
 static_assert(sizeof(Block) % kAlignment == 0, "data() must stay 64-byte aligned");
 
-Block* new_block(size_t size_class) {
-  void* memory = ::operator new(Block::bytes_for(size_class), std::align_val_t{kAlignment});
-  Block* block = new (memory) Block;
-  block->size_class = size_class;
-  return block;
-}
-
-void delete_block(Block* block) noexcept {
-  block->~Block();
-  ::operator delete(static_cast<void*>(block), std::align_val_t{kAlignment});
-}
-
 struct PoolState {
-  explicit PoolState(size_t cap) : max_free_per_class(cap) {}
+  PoolState(size_t cap, std::shared_ptr<TransferDevice> pinned_by)
+      : max_free_per_class(cap), device(std::move(pinned_by)) {}
   ~PoolState() {
     for (auto& list : free_lists) {
       Block* block = nullptr;
       while (list.try_dequeue(block)) delete_block(block);
     }
   }
+
+  Block* new_block(size_t size_class) {
+    const size_t bytes = Block::bytes_for(size_class);
+    void* memory = device ? device->allocate_pinned(bytes)
+                          : ::operator new(bytes, std::align_val_t{kAlignment});
+    CONVEYOR_CHECK(reinterpret_cast<uintptr_t>(memory) % kAlignment == 0,
+                   "pinned memory must be 64-byte aligned");
+    Block* block = new (memory) Block;
+    block->size_class = size_class;
+    return block;
+  }
+
+  void delete_block(Block* block) noexcept {
+    block->last_copy.synchronize();  // a copy may still read it
+    if (block->device_twin) device->free_device(block->device_twin);
+    block->~Block();
+    if (device) {
+      device->free_pinned(block);
+    } else {
+      ::operator delete(static_cast<void*>(block), std::align_val_t{kAlignment});
+    }
+  }
+
   const size_t max_free_per_class;
+  const std::shared_ptr<TransferDevice> device;  // pinned pools only
   std::array<moodycamel::ConcurrentQueue<Block*>, kClasses> free_lists;
   // Approximate sizes of the free lists. Relaxed: only bounds the cache.
   std::array<std::atomic<size_t>, kClasses> free_counts{};
 };
 
+
 void recycle(Block* block) noexcept {
   std::shared_ptr<PoolState> pool = std::move(block->pool);
+  CONVEYOR_CHECK(pool != nullptr, "a pool block without its pool");
+  // Not written again before the device has read it (the consumer normally
+  // waited on the event long ago: this returns at once).
+  block->last_copy.synchronize();
+  block->last_copy = TransferEvent();
   const size_t c = block->size_class;
-  if (pool && pool->free_counts[c].fetch_add(1, std::memory_order_relaxed) < pool->max_free_per_class) {
-    if (pool->free_lists[c].enqueue(block)) return;
+  if (pool->free_counts[c].fetch_add(1, std::memory_order_relaxed) < pool->max_free_per_class &&
+      pool->free_lists[c].enqueue(block)) {
+    return;
   }
-  if (pool) pool->free_counts[c].fetch_sub(1, std::memory_order_relaxed);
-  delete_block(block);
+  pool->free_counts[c].fetch_sub(1, std::memory_order_relaxed);
+  pool->delete_block(block);
 }
 
 // Places the control block inside the Block and hands the Block back to the
@@ -101,14 +131,18 @@ struct InBlockAllocator {
   }
 };
 
-struct KeepData {
-  void operator()(std::byte*) const noexcept {}  // the Block outlives the data's use
+// The deleter of a pool buffer's shared_ptr: does nothing (the Block is
+// recycled when the control block goes), but names the Block, so that
+// std::get_deleter identifies pool memory (see pool_block_of()).
+struct BlockTag {
+  Block* block;
+  void operator()(std::byte*) const noexcept {}
 };
 
 class RecyclingAllocator final : public BufferAllocator {
  public:
-  explicit RecyclingAllocator(size_t max_free_per_class)
-      : state_(std::make_shared<PoolState>(max_free_per_class)) {}
+  RecyclingAllocator(size_t max_free_per_class, std::shared_ptr<TransferDevice> pinned_by)
+      : state_(std::make_shared<PoolState>(max_free_per_class, std::move(pinned_by))) {}
 
   std::shared_ptr<std::byte> allocate(size_t bytes) override {
     const size_t units = (std::max(bytes, kMinClassBytes) + kMinClassBytes - 1) / kMinClassBytes;
@@ -118,10 +152,10 @@ class RecyclingAllocator final : public BufferAllocator {
     if (state_->free_lists[size_class].try_dequeue(block)) {
       state_->free_counts[size_class].fetch_sub(1, std::memory_order_relaxed);
     } else {
-      block = new_block(size_class);
+      block = state_->new_block(size_class);
     }
     block->pool = state_;
-    return std::shared_ptr<std::byte>(block->data(), KeepData{}, InBlockAllocator<std::byte>(block));
+    return std::shared_ptr<std::byte>(block->data(), BlockTag{block}, InBlockAllocator<std::byte>(block));
   }
 
  private:
@@ -131,7 +165,22 @@ class RecyclingAllocator final : public BufferAllocator {
 }  // namespace
 
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class) {
-  return std::make_shared<RecyclingAllocator>(max_free_per_class);
+  return std::make_shared<RecyclingAllocator>(max_free_per_class, nullptr);
+}
+
+std::shared_ptr<BufferAllocator> make_pinned_allocator(std::shared_ptr<TransferDevice> device,
+                                                       size_t max_free_per_class) {
+  CONVEYOR_CHECK(device != nullptr, "a pinned pool needs a device");
+  return std::make_shared<RecyclingAllocator>(max_free_per_class, std::move(device));
+}
+
+std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner) {
+  const BlockTag* tag = std::get_deleter<BlockTag>(owner);
+  if (tag == nullptr) return std::nullopt;
+  Block* block = tag->block;
+  if (!block->pool || !block->pool->device) return std::nullopt;  // a heap pool
+  if (block->device_twin == nullptr) block->device_twin = block->pool->device->allocate_device(block->capacity());
+  return DeviceTwin{block->data(), block->device_twin, block->capacity(), &block->last_copy};
 }
 
 }  // namespace conveyor::detail

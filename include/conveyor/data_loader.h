@@ -36,6 +36,7 @@
 #include "conveyor/detail/loader_core.h"
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/detail/threaded_source.h"
+#include "conveyor/detail/transfer_stage.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/options.h"
@@ -80,11 +81,27 @@ class DataLoader {
     // The base seed this epoch drew (PyTorch's _base_seed).
     int64_t base_seed() const noexcept { return base_seed_; }
 
+    // With prefetch_to_device: the device copy of the batch next() returned
+    // last (its buffers in transfer_traits order and its ready event). Empty
+    // otherwise.
+    const DeviceBatch& device() const noexcept {
+      static const DeviceBatch kNone;
+      return transfer_ ? transfer_->current() : kNone;
+    }
+
    private:
     friend class DataLoader;
     Epoch(std::shared_ptr<Core> core, int64_t base_seed,
           std::unique_ptr<detail::BatchSource<batch_type>> source)
-        : core_(std::move(core)), base_seed_(base_seed), source_(std::move(source)) {}
+        : core_(std::move(core)), base_seed_(base_seed), source_(std::move(source)) {
+      if (core_->plan.prefetch_to_device > 0) {
+        // The transfer stage wraps whatever produced the batches.
+        auto stage = std::make_unique<detail::TransferStage<batch_type>>(
+            std::move(source_), core_->plan.transfer_device, core_->plan.prefetch_to_device);
+        transfer_ = stage.get();
+        source_ = std::move(stage);
+      }
+    }
 
     void note_yielded() {
       ++yielded_;
@@ -107,6 +124,7 @@ class DataLoader {
     std::shared_ptr<Core> core_;
     int64_t base_seed_;
     std::unique_ptr<detail::BatchSource<batch_type>> source_;
+    detail::TransferStage<batch_type>* transfer_ = nullptr;  // within source_, if any
     size_t yielded_ = 0;
     bool warned_ = false;
   };

@@ -17,6 +17,7 @@
 
 #include "conveyor/generator.h"
 #include "conveyor/sampler.h"
+#include "conveyor/transfer.h"
 
 namespace conveyor {
 
@@ -51,9 +52,16 @@ struct LoaderOptions {
   int prefetch_factor = 2;
   // Keep workers, their threads and state alive across epochs.
   bool persistent_workers = false;
-  // Hand out batches in page-locked memory, copied to the device.
+  // Collate batches straight into page-locked memory from transfer_device
+  // (without a device: a warning, and ordinary memory, as PyTorch does).
   bool pin_memory = false;
   std::string pin_memory_device{};
+  // Where pinned batches go: conveyor::cuda::select_transfer_device(), or
+  // make_host_standin_device() for tests.
+  std::shared_ptr<TransferDevice> transfer_device{};
+  // Batches copied to the device ahead of the consumer (0: none). Each is
+  // handed out with its device copy and ready event (Epoch::device()).
+  int prefetch_to_device = 0;
   // Drop the last, incomplete batch.
   bool drop_last = false;
   // Seconds next() may wait for a batch before throwing TimeoutError; 0 waits forever.

@@ -24,6 +24,7 @@
 #include "conveyor/dataset.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
+#include "conveyor/transfer.h"
 
 namespace conveyor {
 
@@ -54,14 +55,33 @@ constexpr at::ScalarType scalar_type_of() {
   return c10::CppTypeToScalarType<T>::value;
 }
 
+namespace detail {
+// A CPU tensor over `data`, kept alive by `owner`, which the transfer stage
+// can find again (owner_of) to copy pinned memory into its device twin.
+at::Tensor tensor_over(std::shared_ptr<void> owner, void* data, at::IntArrayRef sizes,
+                       at::ScalarType dtype);
+// The owner given to tensor_over, or empty for any other tensor.
+std::shared_ptr<void> owner_of(const at::Tensor& tensor);
+}  // namespace detail
+
 // The Array's elements as a tensor sharing its memory.
 template <class T>
 at::Tensor to_tensor(const Array<T>& array) {
-  std::shared_ptr<void> owner = array.owner();
-  return at::from_blob(const_cast<T*>(array.data()), array.shape(),
-                       [owner](void*) mutable { owner.reset(); },
-                       at::TensorOptions().dtype(scalar_type_of<T>()));
+  return detail::tensor_over(array.owner(), const_cast<T*>(array.data()), array.shape(),
+                             scalar_type_of<T>());
 }
+
+// Tensors in a batch go to the device (contiguous CPU tensors only).
+template <>
+struct transfer_traits<at::Tensor> {
+  template <class F>
+  static void for_each_buffer(at::Tensor& tensor, F&& f) {
+    if (!tensor.defined() || !tensor.device().is_cpu() || !tensor.is_contiguous() || tensor.numel() == 0) {
+      return;
+    }
+    f(tensor.data_ptr(), tensor.nbytes(), detail::owner_of(tensor));
+  }
+};
 
 // torch.utils.data.TensorDataset: sample i is {t[i] for each tensor t}.
 class TensorDataset final : public Dataset<std::vector<at::Tensor>> {

@@ -5,7 +5,9 @@
 #include <string>
 #include <utility>
 
+#include "conveyor/detail/buffer_pool.h"
 #include "conveyor/errors.h"
+#include "conveyor/warnings.h"
 
 namespace conveyor::detail {
 namespace {
@@ -100,6 +102,13 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t ma
     throw ValueError(
         "batch_size=None option disables auto-batching and is mutually exclusive with drop_last");
   }
+  if (options.prefetch_to_device < 0) {
+    throw ValueError("prefetch_to_device option should be non-negative, but got prefetch_to_device=" +
+                     std::to_string(options.prefetch_to_device));
+  }
+  if (options.prefetch_to_device > 0 && !options.pin_memory) {
+    throw ValueError("prefetch_to_device needs pin_memory=True: device copies start from pinned memory");
+  }
   if (options.generator && options.seed) {
     throw ValueError("generator and seed options are mutually exclusive: seed=S is shorthand "
                      "for generator=Generator(S)");
@@ -143,7 +152,25 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t ma
       std::chrono::duration<double>(std::min(options.timeout, 1e9)));
   plan.persistent_workers = options.persistent_workers;
   plan.in_order = options.in_order;
-  plan.pin_memory = options.pin_memory;
+  if (!options.pin_memory_device.empty() && !options.pin_memory) {
+    warn(  // PyTorch's words
+        "pin memory device is set and pin_memory flag is not used then device pinned memory won't be "
+        "usedplease set pin_memory to true, if you need to use the device pin memory");
+  }
+  if (options.pin_memory) {
+    if (!options.transfer_device) {
+      warn("'pin_memory' argument is set as true but no accelerator is found, then device pinned "
+           "memory won't be used. (Give LoaderOptions::transfer_device, e.g. "
+           "conveyor::cuda::select_transfer_device().)");
+    } else {
+      plan.transfer_device = options.transfer_device;
+      plan.prefetch_to_device = static_cast<size_t>(options.prefetch_to_device);
+      // Enough idle buffers per size class for the window, the batches
+      // copying ahead and the consumer's: the pool never grows per batch.
+      plan.batch_allocator =
+          make_pinned_allocator(plan.transfer_device, plan.window + plan.prefetch_to_device + 2);
+    }
+  }
   plan.scheduling = options.scheduling;
   plan.worker_init_fn = options.worker_init_fn;
   return plan;

@@ -25,9 +25,7 @@ at::Tensor collate_traits<at::Tensor>::collate(std::vector<at::Tensor>&& samples
   const auto bytes = static_cast<size_t>(numel) * first.element_size();
   std::shared_ptr<std::byte> buffer = allocate_batch_buffer(bytes);
   std::byte* data = buffer.get();
-  at::Tensor out = at::from_blob(
-      data, sizes, [buffer = std::move(buffer)](void*) mutable { buffer.reset(); },
-      first.options());
+  at::Tensor out = detail::tensor_over(std::move(buffer), data, sizes, first.scalar_type());
   at::stack_out(out, samples, 0);
   return out;
 }
@@ -45,6 +43,32 @@ collate_traits<torch::data::Example<at::Tensor, at::Tensor>>::collate(
   return {collate_traits<at::Tensor>::collate(std::move(data)),
           collate_traits<at::Tensor>::collate(std::move(targets))};
 }
+
+namespace detail {
+namespace {
+// The DataPtr deleter of tensor_over's tensors: its context is the owner.
+void release_owner(void* context) { delete static_cast<std::shared_ptr<void>*>(context); }
+}  // namespace
+
+at::Tensor tensor_over(std::shared_ptr<void> owner, void* data, at::IntArrayRef sizes,
+                       at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (int64_t extent : sizes) numel *= extent;
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  auto* context = new std::shared_ptr<void>(std::move(owner));
+  c10::DataPtr data_ptr(data, context, &release_owner, at::Device(at::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data_ptr),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, sizes);
+}
+
+std::shared_ptr<void> owner_of(const at::Tensor& tensor) {
+  if (!tensor.has_storage()) return {};
+  const c10::DataPtr& data_ptr = tensor.storage().data_ptr();
+  if (data_ptr.get_deleter() != &release_owner) return {};
+  return *static_cast<std::shared_ptr<void>*>(data_ptr.get_context());
+}
+}  // namespace detail
 
 namespace {
 

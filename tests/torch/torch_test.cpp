@@ -6,6 +6,7 @@
 #include <conveyor/conveyor.h>
 #include <conveyor/torch.h>
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -193,6 +194,32 @@ TEST(FromTorchDataset, LibTorchsMnistReaderAgreesWithConveyorsThroughTheLoader) 
   }
   EXPECT_EQ(index, ours.size());
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(TensorTransfer, StackedTensorsReachTheDeviceThroughTheirPinnedTwins) {
+  const at::Tensor x = at::arange(64 * 6, at::kFloat).reshape({64, 6});
+  conveyor::TensorDataset dataset({x});
+  auto device = conveyor::make_host_standin_device();
+  conveyor::DataLoader loader(dataset, {.batch_size = 16, .num_workers = 2, .pin_memory = true,
+                                        .transfer_device = device, .prefetch_to_device = 2});
+  auto epoch = loader.iter();
+  int batches = 0;
+  while (auto batch = epoch.next()) {
+    const at::Tensor& xs = (*batch)[0];
+    EXPECT_TRUE(conveyor::detail::owner_of(xs) != nullptr);  // collated into the pinned pool
+    const conveyor::DeviceBatch& copy = epoch.device();
+    ASSERT_EQ(copy.buffers.size(), 1u);
+    const void* on_device = copy.find(xs.data_ptr());
+    ASSERT_NE(on_device, nullptr);
+    copy.ready.synchronize();
+    EXPECT_EQ(std::memcmp(on_device, xs.data_ptr(), xs.nbytes()), 0);
+    ++batches;
+  }
+  EXPECT_EQ(batches, 4);
 }
 
 }  // namespace

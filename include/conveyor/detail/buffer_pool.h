@@ -1,10 +1,12 @@
-// conveyor/detail/buffer_pool.h: the loader's recycling batch allocator.
+// conveyor/detail/buffer_pool.h: the loader's recycling batch allocators.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 
 #include "conveyor/buffer.h"
+#include "conveyor/transfer.h"
 
 namespace conveyor::detail {
 
@@ -13,5 +15,24 @@ namespace conveyor::detail {
 // `max_free_per_class` idle buffers are kept per class; the rest go back to
 // the heap. Buffers outlive the allocator safely. Thread-safe, mutex-free.
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class);
+
+// The same over page-locked memory from `device`. Each buffer gets a device
+// twin of its capacity on its first transfer, reused with it; a buffer is not
+// handed out again before the device has finished reading it.
+std::shared_ptr<BufferAllocator> make_pinned_allocator(std::shared_ptr<TransferDevice> device,
+                                                       size_t max_free_per_class);
+
+// A pinned pool buffer's device twin, and where to record its copy's event.
+struct DeviceTwin {
+  const void* host_base = nullptr;  // the start of the pool buffer
+  void* device = nullptr;           // its twin, same capacity
+  size_t capacity = 0;
+  TransferEvent* last_copy = nullptr;
+};
+
+// For memory owned by `owner`: its twin if it is a pinned pool buffer
+// (allocated now on first use), else nullopt. Call only while holding the
+// buffer (it belongs to the holder).
+std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner);
 
 }  // namespace conveyor::detail

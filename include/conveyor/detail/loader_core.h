@@ -14,6 +14,7 @@
 
 #include "conveyor/collate.h"
 #include "conveyor/dataset.h"
+#include "conveyor/buffer.h"
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
@@ -78,9 +79,11 @@ uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_in
 // (base_seed, epoch, batch), also without workers: the same augmentations
 // for any num_workers, 0 included. Otherwise code in the consumer's thread
 // draws from the process's default generator, as in PyTorch.
+// With pin_memory, collate in this thread writes into the pinned pool too.
 class InlineBatchScope {
  public:
-  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch) {
+  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch)
+      : allocator_(plan.batch_allocator.get()) {
     if (plan.scheduling == Scheduling::work_stealing) {
       scope_.emplace(nullptr, work_stealing_seed(base_seed, epoch, batch));
     }
@@ -88,6 +91,7 @@ class InlineBatchScope {
 
  private:
   std::optional<WorkerScope> scope_;
+  AllocatorScope allocator_;
 };
 
 template <class D, class C>

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 
+#include "conveyor/buffer.h"
 #include "conveyor/options.h"
 #include "conveyor/sampler.h"
 
@@ -32,7 +33,11 @@ struct LoaderPlan {
   std::chrono::nanoseconds timeout{0};  // zero: wait forever
   bool persistent_workers = false;
   bool in_order = true;
-  bool pin_memory = false;
+  // pin_memory with a device: the pinned pool collate allocates from, and the
+  // device; prefetch_to_device copies run that many batches ahead.
+  std::shared_ptr<BufferAllocator> batch_allocator;
+  std::shared_ptr<TransferDevice> transfer_device;
+  size_t prefetch_to_device = 0;
   Scheduling scheduling = Scheduling::round_robin;
   std::function<void(int)> worker_init_fn;
 };

@@ -43,9 +43,11 @@ class WorkerPool final : public TaskRunner {
   // `core` owns or outlives the pool.
   explicit WorkerPool(Core& core)
       : core_(core),
-        // Enough idle buffers per size class for a whole window of batches
-        // and the consumer's: a steady loader then never touches the heap.
-        buffers_(make_recycling_allocator(core.plan.window + 2)),
+        // The pinned pool with pin_memory; otherwise enough idle buffers per
+        // size class for a window of batches and the consumer's: a steady
+        // loader then never touches the heap.
+        buffers_(core.plan.batch_allocator ? core.plan.batch_allocator
+                                           : make_recycling_allocator(core.plan.window + 2)),
         results_(core.plan.window) {
     const LoaderPlan& plan = core.plan;
     EngineConfig config;

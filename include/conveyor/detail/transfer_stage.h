@@ -1,0 +1,135 @@
+// conveyor/detail/transfer_stage.h: the last stage, on the consumer's thread.
+//
+// Takes batches in order from the stage before it, queues their device copies
+// on the device's copy stream, `depth` batches ahead of the consumer, and
+// hands each out with its DeviceBatch (device buffers and ready event). No
+// host synchronisation on this path: the consumer waits on the event.
+//
+// Errors keep their place: a batch that failed earlier (a WorkerError) or
+// whose copy could not be queued is thrown when its turn comes. Destroying
+// the stage mid-copy is safe: host buffers go back to their pool only after
+// their copy's event (see buffer_pool.h), scratch device buffers likewise.
+#pragma once
+
+#include <cstddef>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "conveyor/detail/buffer_pool.h"
+#include "conveyor/detail/check.h"
+#include "conveyor/detail/failure.h"
+#include "conveyor/detail/loader_core.h"
+#include "conveyor/transfer.h"
+
+namespace conveyor::detail {
+
+template <class Batch>
+class TransferStage final : public BatchSource<Batch> {
+ public:
+  TransferStage(std::unique_ptr<BatchSource<Batch>> inner, std::shared_ptr<TransferDevice> device,
+                size_t depth)
+      : inner_(std::move(inner)), device_(std::move(device)), depth_(depth) {}
+
+  std::optional<Batch> next() override {
+    // Keep `depth` batches copying beyond the one handed out now.
+    while (!inner_done_ && pending_.size() <= depth_) pull();
+    if (pending_.empty()) return std::nullopt;
+    Entry entry = std::move(pending_.front());
+    pending_.pop_front();
+    current_ = std::move(entry.device);
+    current_scratch_ = std::move(entry.scratch);
+    if (entry.error) std::rethrow_exception(entry.error);
+    return std::move(entry.batch);
+  }
+
+  // The device copy of the batch next() returned last.
+  const DeviceBatch& current() const noexcept { return current_; }
+
+ private:
+  // A device buffer the stage allocated for memory outside the pinned pool;
+  // freed once its copy is done and the consumer has moved on.
+  struct Scratch {
+    std::shared_ptr<TransferDevice> device;
+    void* memory = nullptr;
+    TransferEvent copied;
+    ~Scratch() {
+      copied.synchronize();
+      device->free_device(memory);
+    }
+  };
+
+  struct Entry {
+    std::optional<Batch> batch;
+    std::exception_ptr error;
+    DeviceBatch device;
+    std::vector<std::shared_ptr<Scratch>> scratch;
+  };
+
+  void pull() {
+    const uint64_t index = pulled_++;
+    Entry entry;
+    try {
+      entry.batch = inner_->next();
+    } catch (...) {
+      entry.error = std::current_exception();  // already a WorkerError, in order
+      pending_.push_back(std::move(entry));
+      return;
+    }
+    if (!entry.batch) {
+      inner_done_ = true;
+      return;
+    }
+    try {
+      queue_copies(entry);
+    } catch (...) {
+      try {
+        throw_worker_error(std::current_exception(), FailureContext{-1, index, {}, "transfer"});
+      } catch (...) {
+        entry.error = std::current_exception();
+      }
+      entry.batch.reset();
+    }
+    pending_.push_back(std::move(entry));
+  }
+
+  void queue_copies(Entry& entry) {
+    std::vector<TransferEvent*> twins_copied;
+    transfer_traits<Batch>::for_each_buffer(
+        *entry.batch, [&](void* host, size_t bytes, const std::shared_ptr<void>& owner) {
+          void* target = nullptr;
+          if (std::optional<DeviceTwin> twin = device_twin_of(owner)) {
+            const auto offset = static_cast<size_t>(static_cast<const std::byte*>(host) -
+                                                    static_cast<const std::byte*>(twin->host_base));
+            CONVEYOR_CHECK(offset + bytes <= twin->capacity, "a buffer beyond its pool block");
+            target = static_cast<std::byte*>(twin->device) + offset;
+            twins_copied.push_back(twin->last_copy);
+          } else {
+            auto scratch = std::make_shared<Scratch>();
+            scratch->device = device_;
+            scratch->memory = device_->allocate_device(bytes);
+            target = scratch->memory;
+            entry.scratch.push_back(std::move(scratch));
+          }
+          device_->copy_to_device(target, host, bytes);
+          entry.device.buffers.push_back(DeviceBuffer{host, target, bytes});
+        });
+    entry.device.ready = device_->record();
+    for (TransferEvent* last_copy : twins_copied) *last_copy = entry.device.ready;
+    for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
+  }
+
+  std::unique_ptr<BatchSource<Batch>> inner_;
+  std::shared_ptr<TransferDevice> device_;
+  size_t depth_;
+  bool inner_done_ = false;
+  uint64_t pulled_ = 0;
+  std::deque<Entry> pending_;  // copies queued, not handed out yet
+  DeviceBatch current_;
+  std::vector<std::shared_ptr<Scratch>> current_scratch_;
+};
+
+}  // namespace conveyor::detail

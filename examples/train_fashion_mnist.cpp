@@ -356,6 +356,7 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
       if (flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
     }
     progress.finish();
+    std::printf("loader: %s\n", pass.metrics().summary().c_str());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     total_seconds += seconds;
     total_wait += waited;

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <iterator>
@@ -39,6 +40,7 @@
 #include "conveyor/detail/transfer_stage.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
+#include "conveyor/metrics.h"
 #include "conveyor/options.h"
 #include "conveyor/sampler.h"
 #include "conveyor/warnings.h"
@@ -74,9 +76,25 @@ class DataLoader {
     // The next batch, or std::nullopt at the end. Throws WorkerError for a
     // batch that failed; calling again goes on with the next batch.
     std::optional<batch_type> next() {
+      const auto asked = std::chrono::steady_clock::now();
+      struct CountWait {  // counts the wait whether next() returns or throws
+        const std::chrono::steady_clock::time_point& asked;
+        int64_t& total;
+        ~CountWait() { total += detail::nanoseconds_since(asked); }
+      } count_wait{asked, wait_ns_};
       std::optional<batch_type> batch = source_->next();
       if (batch) note_yielded();
       return batch;
+    }
+
+    // Where this epoch's time went so far (see conveyor/metrics.h).
+    LoaderMetrics metrics() const {
+      LoaderMetrics metrics;
+      source_->add_metrics(metrics);
+      metrics.batches = yielded_;
+      metrics.wait_seconds = static_cast<double>(wait_ns_) * 1e-9;
+      metrics.wall_seconds = static_cast<double>(detail::nanoseconds_since(started_)) * 1e-9;
+      return metrics;
     }
     // The base seed this epoch drew (PyTorch's _base_seed).
     int64_t base_seed() const noexcept { return base_seed_; }
@@ -125,6 +143,8 @@ class DataLoader {
     int64_t base_seed_;
     std::unique_ptr<detail::BatchSource<batch_type>> source_;
     detail::TransferStage<batch_type>* transfer_ = nullptr;  // within source_, if any
+    std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+    int64_t wait_ns_ = 0;
     size_t yielded_ = 0;
     bool warned_ = false;
   };

@@ -421,3 +421,35 @@ TEST(Arena, ADatasetsParallelForRunsInTheLoadersArena) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Metrics, AnEpochAccountsForItsBatchesStagesAndWaits) {
+  struct Busy final : conveyor::Dataset<int64_t> {
+    size_t size() const override { return 240; }
+    int64_t get(size_t i) override {
+      conveyor::testing::spin_delay(20000);  // 20 us of fetch per sample
+      return static_cast<int64_t>(i);
+    }
+  } dataset;
+  for (int workers : {0, 3}) {
+    conveyor::DataLoader loader(dataset, {.batch_size = 8, .num_workers = workers});
+    auto epoch = loader.iter();
+    while (epoch.next()) {
+    }
+    const conveyor::LoaderMetrics metrics = epoch.metrics();
+    EXPECT_EQ(metrics.batches, 30u);
+    EXPECT_GE(metrics.fetch_seconds, 240 * 20e-6) << "every sample's fetch is counted";
+    EXPECT_GT(metrics.collate_seconds, 0);
+    EXPECT_LE(metrics.wait_seconds, metrics.wall_seconds);
+    EXPECT_GT(metrics.stall_fraction(), 0);  // nothing downstream: the consumer only waits
+    EXPECT_EQ(metrics.window, static_cast<size_t>(2 * workers));
+    EXPECT_LE(metrics.mean_in_flight, static_cast<double>(metrics.window));
+    if (workers > 0) {
+      EXPECT_GT(metrics.mean_in_flight, 0);
+    }
+    EXPECT_NE(metrics.summary().find("30 batches"), std::string::npos) << metrics.summary();
+  }
+}
+
+}  // namespace

@@ -3,6 +3,7 @@
 // when num_workers == 0.
 #pragma once
 
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/errors.h"
+#include "conveyor/metrics.h"
 #include "conveyor/sampler.h"
 
 namespace conveyor::detail {
@@ -58,10 +60,23 @@ struct batch_of {
 
 // The seam between the loader and what produces its batches: in the
 // consumer's thread (num_workers == 0) or on the engine's workers.
+// Where a batch's time went (nanoseconds).
+struct StageTimes {
+  int64_t fetch_ns = 0;
+  int64_t collate_ns = 0;
+};
+
+inline int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
 template <class Batch>
 class BatchSource {
  public:
   virtual ~BatchSource() = default;
+  // Adds this source's share to `metrics` (worker time, window occupancy).
+  virtual void add_metrics(LoaderMetrics& /*metrics*/) const {}
   // The next batch, std::nullopt at the end of the epoch. A failed batch
   // throws WorkerError at its position; the following call goes on after it.
   virtual std::optional<Batch> next() = 0;
@@ -118,20 +133,29 @@ struct LoaderCore {
   std::shared_ptr<WorkerPool<D, C>> persistent_pool;
 
   // Fetch and collate one map-style batch. `stage` names the step running
-  // when an exception leaves.
-  batch_type make_batch(std::span<const size_t> indices, const char*& stage) const {
+  // when an exception leaves; `times` gets the time of each.
+  batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times) const {
+    const auto start = std::chrono::steady_clock::now();
     stage = "fetch";
     if constexpr (batch_of<sample_type, C>::kTakesBatch) {
       if (plan.auto_collation) {
         std::vector<sample_type> samples = fetch(indices);
+        const auto fetched = std::chrono::steady_clock::now();
+        times.fetch_ns += nanoseconds_since(start);
         stage = "collate";
-        return collate(std::move(samples));
+        batch_type batch = collate(std::move(samples));
+        times.collate_ns += nanoseconds_since(fetched);
+        return batch;
       }
     }
     if constexpr (batch_of<sample_type, C>::kTakesSample) {
       sample_type sample = dataset->get(indices.front());
+      const auto fetched = std::chrono::steady_clock::now();
+      times.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      return collate(std::move(sample));
+      batch_type batch = collate(std::move(sample));
+      times.collate_ns += nanoseconds_since(fetched);
+      return batch;
     }
     throw TypeError("unreachable: the collate function does not fit the plan");
   }
@@ -177,15 +201,21 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
     const char* stage = "fetch";
     InlineBatchScope scope(core_->plan, base_seed_, epoch_, seq);
     try {
-      return core_->make_batch(indices_, stage);
+      return core_->make_batch(indices_, stage, times_);
     } catch (...) {
       throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
     }
   }
 
+  void add_metrics(LoaderMetrics& metrics) const override {
+    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
+    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
+  }
+
  private:
   std::shared_ptr<const LoaderCore<D, C>> core_;
   std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
+  StageTimes times_;
   BatchIndices indices_;
   int64_t base_seed_;
   uint64_t epoch_;
@@ -212,6 +242,7 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
     const uint64_t seq = next_seq_++;
     const char* stage = "iterate";
     InlineBatchScope scope(plan, base_seed_, epoch_, seq);
+    const auto start = std::chrono::steady_clock::now();
     try {
       std::vector<sample_type> samples;
       samples.reserve(wanted);
@@ -224,14 +255,24 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
         samples.push_back(std::move(*sample));
       }
       if (samples.empty() || (plan.drop_last && samples.size() < wanted)) return std::nullopt;
+      const auto fetched = std::chrono::steady_clock::now();
+      times_.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      return core_->collate_samples(std::move(samples));
+      batch_type batch = core_->collate_samples(std::move(samples));
+      times_.collate_ns += nanoseconds_since(fetched);
+      return batch;
     } catch (...) {
       throw_worker_error(std::current_exception(), FailureContext{-1, seq, {}, stage});
     }
   }
 
+  void add_metrics(LoaderMetrics& metrics) const override {
+    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
+    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
+  }
+
  private:
+  StageTimes times_;
   std::shared_ptr<const LoaderCore<D, C>> core_;
   std::unique_ptr<SampleIterator<sample_type>> replica_;
   int64_t base_seed_;

@@ -10,6 +10,7 @@
 // datasets), and hands results out in order.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <exception>
 #include <memory>
@@ -31,6 +32,7 @@ struct SlotResult {
   std::exception_ptr error;
   FailureContext context;
   bool end_of_replica = false;  // iterable: the worker has no more batches this pass
+  StageTimes times;
 };
 
 template <class D, class C>
@@ -87,7 +89,7 @@ class WorkerPool final : public TaskRunner {
         std::rethrow_exception(init_failure);
       }
       if constexpr (MapStyleDataset<D>) {
-        out.batch.emplace(core_.make_batch(job.indices, stage));
+        out.batch.emplace(core_.make_batch(job.indices, stage, out.times));
       } else {
         produce_from_replica(job, worker, out, stage);
       }
@@ -128,6 +130,7 @@ class WorkerPool final : public TaskRunner {
       std::vector<sample_type> samples;
       samples.reserve(wanted);
       stage = "iterate";
+      const auto start = std::chrono::steady_clock::now();
       while (samples.size() < wanted) {
         std::optional<sample_type> sample = replica.iterator->next();
         if (!sample) {
@@ -141,8 +144,11 @@ class WorkerPool final : public TaskRunner {
         out.end_of_replica = true;
         return;
       }
+      const auto fetched = std::chrono::steady_clock::now();
+      out.times.fetch_ns += nanoseconds_since(start);
       stage = "collate";
       out.batch.emplace(core_.collate_samples(std::move(samples)));
+      out.times.collate_ns += nanoseconds_since(fetched);
     } else {
       (void)job, (void)worker, (void)out, (void)stage;
     }
@@ -187,9 +193,14 @@ class ThreadedSource final : public BatchSource<typename LoaderCore<D, C>::batch
   std::optional<batch_type> next() override {
     while (true) {
       fill();
-      if (engine_.stats().in_flight == 0) return std::nullopt;  // the epoch ends on a count
+      const size_t in_flight = engine_.stats().in_flight;
+      if (in_flight == 0) return std::nullopt;  // the epoch ends on a count
+      in_flight_sum_ += in_flight;
+      ++waits_;
       const ReadyBatch ready = engine_.wait_ready();
       SlotResult<batch_type> result = std::move(pool_->result(ready.slot));
+      times_.fetch_ns += result.times.fetch_ns;
+      times_.collate_ns += result.times.collate_ns;
       pool_->clear(ready.slot);
       engine_.release(ready);
       fill();  // keep the workers busy while the consumer uses this batch
@@ -203,6 +214,13 @@ class ThreadedSource final : public BatchSource<typename LoaderCore<D, C>::batch
       if (result.error) throw_worker_error(result.error, std::move(result.context));
       return std::move(result.batch);
     }
+  }
+
+  void add_metrics(LoaderMetrics& metrics) const override {
+    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
+    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
+    metrics.mean_in_flight = waits_ ? static_cast<double>(in_flight_sum_) / static_cast<double>(waits_) : 0;
+    metrics.window = core_->plan.window;
   }
 
  private:
@@ -239,6 +257,9 @@ class ThreadedSource final : public BatchSource<typename LoaderCore<D, C>::batch
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;
   uint64_t submitted_ = 0;
+  StageTimes times_;          // summed from the results taken
+  uint64_t in_flight_sum_ = 0;
+  uint64_t waits_ = 0;
   std::vector<bool> active_;  // iterable: workers still producing
   size_t active_count_ = 0;
   size_t next_worker_ = 0;

@@ -11,6 +11,7 @@
 // their copy's event (see buffer_pool.h), scratch device buffers likewise.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <deque>
 #include <exception>
@@ -49,6 +50,11 @@ class TransferStage final : public BatchSource<Batch> {
   // The device copy of the batch next() returned last.
   const DeviceBatch& current() const noexcept { return current_; }
 
+  void add_metrics(LoaderMetrics& metrics) const override {
+    inner_->add_metrics(metrics);
+    metrics.transfer_seconds += static_cast<double>(transfer_ns_) * 1e-9;
+  }
+
  private:
   // A device buffer the stage allocated for memory outside the pinned pool;
   // freed once its copy is done and the consumer has moved on.
@@ -83,8 +89,10 @@ class TransferStage final : public BatchSource<Batch> {
       inner_done_ = true;
       return;
     }
+    const auto start = std::chrono::steady_clock::now();
     try {
       queue_copies(entry);
+      transfer_ns_ += nanoseconds_since(start);
     } catch (...) {
       try {
         throw_worker_error(std::current_exception(), FailureContext{-1, index, {}, "transfer"});
@@ -127,6 +135,7 @@ class TransferStage final : public BatchSource<Batch> {
   size_t depth_;
   bool inner_done_ = false;
   uint64_t pulled_ = 0;
+  int64_t transfer_ns_ = 0;
   std::deque<Entry> pending_;  // copies queued, not handed out yet
   DeviceBatch current_;
   std::vector<std::shared_ptr<Scratch>> current_scratch_;

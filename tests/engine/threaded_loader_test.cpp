@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "support/datasets.h"
+#include "support/epochs.h"
 #include "support/fixtures.h"
 #include "support/sync.h"
 
@@ -220,23 +221,17 @@ TEST(ThreadedLoader, ErrorsArriveInOrderWithContextAndTheEpochContinues) {
   for (Scheduling scheduling : {Scheduling::round_robin, Scheduling::work_stealing}) {
     conveyor::DataLoader loader(dataset, {.batch_size = 3, .num_workers = 3, .scheduling = scheduling});
     auto epoch = loader.iter();
-    std::vector<std::string> events;
-    while (true) {
-      try {
-        auto batch = epoch.next();
-        if (!batch) break;
-        events.push_back(std::to_string((*batch)[0]));
-      } catch (const conveyor::WorkerError& e) {
-        const auto& context = e.context();
-        events.push_back("error@" + std::to_string(context.batch_seq));
-        EXPECT_EQ(context.stage, "fetch");
-        EXPECT_EQ(context.indices.size(), 3u);
-        if (scheduling == Scheduling::round_robin) {
-          EXPECT_EQ(context.worker_id, static_cast<int>(context.batch_seq % 3));
-        }
-        EXPECT_NE(std::string(e.what()).find("bad sample"), std::string::npos);
-      }
-    }
+    const auto events = conveyor::testing::walk_epoch(
+        epoch, [](const conveyor::Array<int64_t>& batch) { return std::to_string(batch[0]); },
+        [&](const conveyor::WorkerError& e) {
+          const auto& context = e.context();
+          EXPECT_EQ(context.stage, "fetch");
+          EXPECT_EQ(context.indices.size(), 3u);
+          if (scheduling == Scheduling::round_robin) {
+            EXPECT_EQ(context.worker_id, static_cast<int>(context.batch_seq % 3));
+          }
+          EXPECT_NE(std::string(e.what()).find("bad sample"), std::string::npos);
+        });
     EXPECT_EQ(events, (std::vector<std::string>{"0", "3", "6", "9", "error@4", "15", "18", "error@7", "24", "27"}));
   }
 }

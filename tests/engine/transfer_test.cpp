@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "support/datasets.h"
+#include "support/epochs.h"
 #include "support/sync.h"
 
 namespace {
@@ -64,6 +65,9 @@ class TestDevice final : public conveyor::TransferDevice {
 
 // 32 int64 samples per batch: 256 bytes, one pool size class.
 constexpr int64_t kBatch = 32;
+
+// A batch by its number (its first sample / the batch size).
+std::string first_batch_number(const conveyor::Array<int64_t>& batch) { return std::to_string(batch[0] / kBatch); }
 
 conveyor::LoaderOptions transfer_options(std::shared_ptr<conveyor::TransferDevice> device, int workers,
                                          int depth) {
@@ -169,18 +173,10 @@ TEST(Transfer, CopyAndAllocationFailuresArriveInOrderAndTheEpochGoesOn) {
   conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = 2, .pin_memory = true,
                                         .transfer_device = device, .prefetch_to_device = 2});
   auto epoch = loader.iter();
-  std::vector<std::string> events;
-  while (true) {
-    try {
-      auto batch = epoch.next();
-      if (!batch) break;
-      events.push_back(std::to_string((*batch)[0] / kBatch));
-    } catch (const conveyor::WorkerError& e) {
-      EXPECT_EQ(e.context().stage, "transfer");
-      EXPECT_NE(std::string(e.what()).find("copy engine fault"), std::string::npos) << e.what();
-      events.push_back("error@" + std::to_string(e.context().batch_seq));
-    }
-  }
+  const auto events = conveyor::testing::walk_epoch(epoch, first_batch_number, [](const conveyor::WorkerError& e) {
+    EXPECT_EQ(e.context().stage, "transfer");
+    EXPECT_NE(std::string(e.what()).find("copy engine fault"), std::string::npos) << e.what();
+  });
   EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "2", "error@3", "4", "5", "6", "7", "8", "9"}));
 }
 
@@ -190,17 +186,8 @@ TEST(Transfer, WorkerErrorsKeepTheirPlaceThroughTheStage) {
   conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = 3, .pin_memory = true,
                                         .transfer_device = device, .prefetch_to_device = 3});
   auto epoch = loader.iter();
-  std::vector<std::string> events;
-  while (true) {
-    try {
-      auto batch = epoch.next();
-      if (!batch) break;
-      events.push_back(std::to_string((*batch)[0] / kBatch));
-    } catch (const conveyor::WorkerError& e) {
-      EXPECT_EQ(e.context().stage, "fetch");
-      events.push_back("error@" + std::to_string(e.context().batch_seq));
-    }
-  }
+  const auto events = conveyor::testing::walk_epoch(
+      epoch, first_batch_number, [](const conveyor::WorkerError& e) { EXPECT_EQ(e.context().stage, "fetch"); });
   EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "error@2", "3", "4", "5"}));
 }
 

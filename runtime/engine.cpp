@@ -280,12 +280,13 @@ struct Shared {
     if (!config.in_order) completed.enqueue(job.slot);
     // (P2) with the consumer's (C2): whichever runs second sees the other.
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (consumer_parked.load(std::memory_order_relaxed)) wake.signal();
+    if (consumer_parked.load(std::memory_order_relaxed)) wake.signal();  // ordered by the fence above
   }
 
   // `slot_owned`: the worker state belongs to an arena slot (work stealing)
   // rather than to a lane.
   void run_job(Job& job, WorkerState& worker, bool slot_owned) {
+    // Acquire: pairs with cancel()'s bump, so a cancelled job sees it.
     if (job.generation != generation.load(std::memory_order_acquire)) {
       publish(job);  // cancelled: published empty, so cancel() knows it is done
       return;
@@ -373,6 +374,7 @@ void drain(Shared& shared, Lane& lane) {
       continue;
     }
     // Leave, unless a job slipped in after the last look (see Lane).
+    // Release: hands the lane's WorkerState to the next drain's acquire.
     lane.drains.fetch_sub(1, std::memory_order_acq_rel);
     std::atomic_thread_fence(std::memory_order_seq_cst);  // (D1) pairs with (E1)
     if (lane.queue.size_approx() == 0) return;
@@ -398,6 +400,7 @@ struct Engine::Impl {
     shared->clocks = std::make_unique<SlotClock[]>(window);
     for (size_t i = 0; i < window; ++i) {
       // A turn no job of this engine can be waiting for: seqs start at first_seq.
+      // Relaxed: no worker runs yet; submit()'s queue hand-off publishes it.
       shared->slots[i].turn.store(config.first_seq, std::memory_order_relaxed);
     }
     auto make_worker = [&](size_t id) {
@@ -511,10 +514,11 @@ struct Engine::Impl {
       cpu_relax();
     }
     while (true) {
+      // Relaxed: the fence below orders it against the check that follows.
       shared->consumer_parked.store(true, std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_seq_cst);  // (C2) pairs with (P2)
       if (ready()) {
-        shared->consumer_parked.store(false, std::memory_order_relaxed);
+        shared->consumer_parked.store(false, std::memory_order_relaxed);  // a spare signal is harmless
         return true;
       }
       int64_t timeout_us = -1;
@@ -523,7 +527,7 @@ struct Engine::Impl {
         timeout_us = std::max<int64_t>(left.count(), 1);
       }
       shared->wake.wait(timeout_us);
-      shared->consumer_parked.store(false, std::memory_order_relaxed);
+      shared->consumer_parked.store(false, std::memory_order_relaxed);  // a spare signal is harmless
       if (ready()) return true;
       if (has_deadline && Clock::now() >= deadline) return false;
     }

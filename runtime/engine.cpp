@@ -26,6 +26,7 @@
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/info.h>
 #include <oneapi/tbb/task_arena.h>
+#include <oneapi/tbb/task_group.h>
 
 #include <concurrentqueue/concurrentqueue.h>
 #include <concurrentqueue/lightweightsemaphore.h>
@@ -430,8 +431,14 @@ struct Engine::Impl {
 
   ~Impl() {
     cancel();
-    // The arena's threads may still be finishing task epilogues; they hold
-    // `shared`, and task_arena only drops its reference here.
+    // A drain task may still be lingering, or be queued and not yet started
+    // (another drain took its job). Wait for every one to be destroyed: a
+    // task left queued in a dropped arena may never run, and would keep
+    // `shared` alive for good.
+    // Waited on from outside the arena: arena.execute() could hand the wait
+    // to a worker. The acquire pairs with each Handoff's destructor.
+    drain_tasks.wait();
+    tsan_acquire();
   }
 
   const EngineConfig& config() const { return shared->config; }
@@ -500,7 +507,7 @@ struct Engine::Impl {
     uint32_t running = lane.drains.load(std::memory_order_acquire);
     while (running < lane.max_drains) {
       if (lane.drains.compare_exchange_weak(running, running + 1, std::memory_order_acq_rel)) {
-        arena.enqueue(Handoff([keep = shared, &lane] { drain(*keep, lane); }));
+        arena.enqueue(drain_tasks.defer(Handoff([keep = shared, &lane] { drain(*keep, lane); })));
         break;
       }
     }
@@ -646,6 +653,7 @@ struct Engine::Impl {
   ThreadReservation reservation;
   std::shared_ptr<Shared> shared;
   tbb::task_arena arena;
+  tbb::task_group drain_tasks;  // every drain task, so ~Impl can wait for them
 
   // ---- consumer thread only ----
   std::vector<moodycamel::ProducerToken> producer_tokens;  // by lane

@@ -14,8 +14,14 @@
 #include <conveyor/conveyor.h>
 #include <conveyor/detail/engine.h>
 
+#include <concurrentqueue/concurrentqueue.h>
+
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -116,5 +122,77 @@ void BM_LoaderTinySamples(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations());
 }
 BENCHMARK(BM_LoaderTinySamples)->ArgName("workers")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->UseRealTime()->MinTime(0.5);
+
+// The queue under the hand-off: one producer (the benchmark thread) and one
+// consumer thread moving 8-byte items through a moodycamel ConcurrentQueue
+// (the engine's queue, with a producer token) and, in the same run, through a
+// mutex-guarded deque, the obvious peer. Each side polls (no parking), so this
+// is the queue's own cost under two-thread contention.
+template <class Queue>
+void queue_pair(benchmark::State& state, Queue& queue) {
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> received{0};
+  std::thread consumer([&] {
+    uint64_t item = 0, count = 0;
+    // Relaxed: `stop` only ends the loop; the join below orders the rest.
+    while (!stop.load(std::memory_order_relaxed)) {
+      if (queue.pop(item)) ++count;
+    }
+    while (queue.pop(item)) ++count;
+    received.store(count, std::memory_order_relaxed);  // read after join()
+  });
+  uint64_t sent = 0;
+  for (auto _ : state) {
+    queue.push(sent++);
+    // Bound the backlog so both queues stay in their steady state.
+    if ((sent & 1023) == 0) {
+      while (queue.approx_size() > 4096) std::this_thread::yield();
+    }
+  }
+  stop.store(true, std::memory_order_relaxed);
+  consumer.join();
+  if (received.load(std::memory_order_relaxed) != sent) state.SkipWithError("items lost");
+  state.SetItemsProcessed(state.iterations());
+}
+
+struct MoodycamelQueue {
+  moodycamel::ConcurrentQueue<uint64_t> queue;
+  moodycamel::ProducerToken token{queue};
+  void push(uint64_t item) { queue.enqueue(token, item); }
+  bool pop(uint64_t& item) { return queue.try_dequeue_from_producer(token, item); }
+  size_t approx_size() const { return queue.size_approx(); }
+};
+
+struct MutexQueue {
+  std::mutex mutex;
+  std::deque<uint64_t> items;
+  void push(uint64_t item) {
+    std::lock_guard lock(mutex);
+    items.push_back(item);
+  }
+  bool pop(uint64_t& item) {
+    std::lock_guard lock(mutex);
+    if (items.empty()) return false;
+    item = items.front();
+    items.pop_front();
+    return true;
+  }
+  size_t approx_size() {
+    std::lock_guard lock(mutex);
+    return items.size();
+  }
+};
+
+void BM_QueueMoodycamel(benchmark::State& state) {
+  MoodycamelQueue queue;
+  queue_pair(state, queue);
+}
+BENCHMARK(BM_QueueMoodycamel)->UseRealTime()->MinTime(0.5);
+
+void BM_QueueMutexDeque(benchmark::State& state) {
+  MutexQueue queue;
+  queue_pair(state, queue);
+}
+BENCHMARK(BM_QueueMutexDeque)->UseRealTime()->MinTime(0.5);
 
 }  // namespace

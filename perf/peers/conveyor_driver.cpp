@@ -1,0 +1,236 @@
+// conveyor's peer in the performance suite (perf/run_all): one workload
+// through conveyor::DataLoader, timed after a warm-up epoch, one JSON line.
+//
+//   conveyor_driver --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]
+//                   [--in-order 0|1] [--seconds S] [--warmup S] [--samples N]
+//                   [--w2-iterations K] [--shards a.tar,b.tar]
+//
+// Options: batch_size per workload, sequential order (no shuffle),
+// prefetch_factor 2, persistent_workers for N > 0. The JSON line adds
+// conveyor's own metrics (Epoch::metrics()) over the timed phase.
+#include <conveyor/conveyor.h>
+#if CONVEYOR_PERF_HAVE_FORMATS
+#include <conveyor/idx.h>
+#include <conveyor/image.h>
+#include <conveyor/tar_shards.h>
+#include <conveyor/transforms.h>
+#endif
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <tuple>
+
+#include "workloads.h"
+
+namespace {
+
+// ---- the data sets ------------------------------------------------------------
+
+struct TinyDataset {  // W0: the sample is its index
+  size_t n;
+  size_t size() const { return n; }
+  int64_t get(size_t index) { return static_cast<int64_t>(index); }
+};
+
+struct ImageSample {  // W1
+  conveyor::Array<float> image;  // [3, 32, 32]
+  int64_t label;
+};
+
+// W1: like PyTorch's TensorDataset, a sample is a view of the in-memory
+// image (kept alive by the data set's storage); collate makes the one copy.
+struct InMemoryImages {
+  std::shared_ptr<perf::W1Data> data;
+  size_t size() const { return data->size(); }
+  ImageSample get(size_t index) {
+    float* image = data->images.data() + index * perf::kW1Floats;
+    return {conveyor::Array<float>({perf::kW1Channels, perf::kW1Height, perf::kW1Width}, image,
+                                   std::shared_ptr<void>(data, image)),
+            data->labels[index]};
+  }
+};
+
+struct SpinDataset {  // W2
+  size_t n;
+  int64_t iterations;
+  size_t size() const { return n; }
+  int64_t get(size_t index) { return perf::spin(index, iterations); }
+};
+
+struct SleepDataset {  // W3
+  size_t n;
+  size_t size() const { return n; }
+  int64_t get(size_t index) { return perf::w3_sample(index); }
+};
+
+struct StragglerDataset {  // W4
+  size_t n;
+  size_t size() const { return n; }
+  int64_t get(size_t index) { return perf::w4_sample(index); }
+};
+
+// ---- batches ------------------------------------------------------------------
+
+template <class T>
+size_t batch_length(const conveyor::Array<T>& array) {
+  return array.shape().empty() ? 0 : static_cast<size_t>(array.shape()[0]);
+}
+template <class... Ts>
+size_t batch_length(const std::tuple<Ts...>& batch) {
+  return batch_length(std::get<0>(batch));
+}
+
+struct MetricsSum {
+  double fetch = 0, collate = 0, wait = 0, wall = 0, in_flight_weighted = 0;
+  int64_t batches = 0;
+  size_t window = 0;
+  void add(const conveyor::LoaderMetrics& m, double sign) {
+    fetch += sign * m.fetch_seconds;
+    collate += sign * m.collate_seconds;
+    wait += sign * m.wait_seconds;
+    wall += sign * m.wall_seconds;
+    in_flight_weighted += sign * m.mean_in_flight * static_cast<double>(m.batches);
+    batches += (sign > 0 ? 1 : -1) * static_cast<int64_t>(m.batches);
+    window = m.window;
+  }
+};
+
+template <class D>
+int run(const perf::Args& args, D& dataset, const std::string& note = "") {
+  conveyor::LoaderOptions options;
+  options.batch_size = args.batch_size;
+  options.num_workers = args.workers;
+  options.prefetch_factor = args.prefetch_factor;
+  options.persistent_workers = args.workers > 0;
+  options.seed = 0;
+  options.in_order = args.in_order != 0;
+  options.scheduling = args.scheduling == "work_stealing" ? conveyor::Scheduling::work_stealing
+                                                          : conveyor::Scheduling::round_robin;
+  conveyor::DataLoader loader(dataset, options);
+  using Loader = decltype(loader);
+  std::optional<typename Loader::Epoch> epoch;
+  MetricsSum sum;
+  auto close_epoch = [&] {
+    if (epoch) {
+      sum.add(epoch->metrics(), +1);
+      epoch.reset();
+    }
+  };
+  bool timing = false;
+  perf::Result result = perf::drive(
+      args,
+      [&] {
+        if (timing) close_epoch();
+        else epoch.reset();
+        epoch.emplace(loader.iter());
+      },
+      [&](size_t& samples) {
+        auto batch = epoch->next();
+        if (!batch) return false;
+        samples = batch_length(*batch);
+        return true;
+      },
+      [&] {
+        timing = true;
+        // The warm-up epoch's share so far is not the timed phase's.
+        if (epoch) sum.add(epoch->metrics(), -1);
+      });
+  close_epoch();
+  result.peer = "conveyor";
+  const double stall = sum.wall > 0 ? sum.wait / sum.wall : 0;
+  char extra[512];
+  std::snprintf(extra, sizeof extra,
+                ",\"metrics\":{\"batches\":%lld,\"stall_pct\":%.3f,\"fetch_s\":%.6f,\"collate_s\":%.6f,"
+                "\"wait_s\":%.6f,\"wall_s\":%.6f,\"mean_in_flight\":%.3f,\"window\":%zu}%s",
+                static_cast<long long>(sum.batches), 100 * stall, sum.fetch, sum.collate, sum.wait,
+                sum.wall, sum.batches ? sum.in_flight_weighted / static_cast<double>(sum.batches) : 0.0,
+                sum.window, note.c_str());
+  result.extra = extra;
+  perf::print_result(args, result);
+  return 0;
+}
+
+#if CONVEYOR_PERF_HAVE_FORMATS
+// W5: examples/train_fashion_mnist.cpp's `decode` and `augment`.
+struct Sample {
+  conveyor::Array<float> image;  // [1, 28, 28]
+  int64_t label;
+};
+
+const conveyor::Normalize kNormalize{{perf::kW5Mean}, {perf::kW5Std}};
+
+Sample augment(conveyor::LabeledImage&& sample) {
+  static const auto transform =
+      conveyor::compose(conveyor::RandomCrop{perf::kW5Crop, perf::kW5Padding},
+                        conveyor::RandomHorizontalFlip{0.5}, conveyor::ToFloat{}, kNormalize);
+  return {transform(sample.image), sample.label};
+}
+
+conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
+  const std::string where = sample.shard + ":" + sample.key;
+  const auto image = sample.fields.find("jpg");
+  const auto label = sample.fields.find("cls");
+  if (image == sample.fields.end() || label == sample.fields.end()) {
+    throw conveyor::DataError("sample lacks jpg or cls", sample.shard, sample.key);
+  }
+  const std::string text(label->second.begin(), label->second.end());
+  char* end = nullptr;
+  const long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || value < 0 || value > 9) {
+    throw conveyor::DataError("bad class label '" + text + "'", sample.shard, sample.key);
+  }
+  return {conveyor::decode_image(image->second, where, 1), value};
+}
+
+int run_w5(perf::Args args) {
+  conveyor::TarShardOptions shard_options;
+  shard_options.shards = args.shards;
+  shard_options.shuffle_shards = false;
+  shard_options.shuffle_buffer = 0;
+  shard_options.required_fields = {"jpg", "cls"};
+  auto shards = std::make_shared<conveyor::TarShardDataset>(shard_options);
+  auto decoded = conveyor::map(
+      shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
+      conveyor::OnError::skip);
+  args.samples = 0;  // streamed: the count is whatever the shards hold
+  return run(args, *decoded);
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const perf::Args args = perf::parse_args(argc, argv);
+  try {
+    if (args.workload == "W0") {
+      TinyDataset dataset{args.samples};
+      return run(args, dataset);
+    }
+    if (args.workload == "W1") {
+      InMemoryImages dataset{std::make_shared<perf::W1Data>(args.samples)};
+      return run(args, dataset, ",\"dataset_bytes\":" + std::to_string(dataset.data->bytes()));
+    }
+    if (args.workload == "W2") {
+      SpinDataset dataset{args.samples, args.w2_iterations};
+      return run(args, dataset, ",\"w2_iterations\":" + std::to_string(args.w2_iterations));
+    }
+    if (args.workload == "W3") {
+      SleepDataset dataset{args.samples};
+      return run(args, dataset);
+    }
+    if (args.workload == "W4") {
+      StragglerDataset dataset{args.samples};
+      return run(args, dataset);
+    }
+#if CONVEYOR_PERF_HAVE_FORMATS
+    if (args.workload == "W5") return run_w5(args);
+#endif
+    std::fprintf(stderr, "conveyor_driver: %s is not built in (conveyor::formats missing)\n",
+                 args.workload.c_str());
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "conveyor_driver: %s\n", e.what());
+    return 1;
+  }
+}

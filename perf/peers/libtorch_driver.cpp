@@ -1,0 +1,184 @@
+// LibTorch's C++ DataLoader as a peer in the performance suite
+// (perf/run_all): the same workloads as conveyor_driver, as
+// torch::data::datasets::Dataset samples (tensors) through
+//
+//   torch::data::make_data_loader<SequentialSampler>(
+//       dataset.map(torch::data::transforms::Stack<>()),
+//       DataLoaderOptions().batch_size(B).workers(W).enforce_ordering(true))
+//
+// timed after a warm-up epoch, one JSON line (the format of workloads.h).
+// LibTorch's workers(0) loads in the main thread. One translation unit on
+// purpose: LibTorch's headers compile slowly.
+//
+//   libtorch_driver --workload W0..W5 --workers N [--seconds S] [--warmup S]
+//                   [--samples N] [--w2-iterations K] [--shards a.tar,b.tar]
+#include <torch/torch.h>
+
+#if CONVEYOR_PERF_HAVE_FORMATS
+#include <conveyor/detail/worker_scope.h>
+#include <conveyor/generator.h>
+#include <conveyor/image.h>
+#include <conveyor/transforms.h>
+#endif
+
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "workloads.h"
+
+namespace {
+
+using torch::data::Example;
+using torch::data::TensorExample;
+namespace datasets = torch::data::datasets;
+
+// W0: the sample is its index, as a 0-dim int64 tensor.
+struct TinyDataset : datasets::Dataset<TinyDataset, TensorExample> {
+  explicit TinyDataset(size_t n) : n(n) {}
+  TensorExample get(size_t index) override {
+    return TensorExample(torch::scalar_tensor(static_cast<int64_t>(index), torch::kLong));
+  }
+  torch::optional<size_t> size() const override { return n; }
+  size_t n;
+};
+
+// W1: as torch::data::datasets::TensorDataset does, a sample is a view of
+// the in-memory tensors (images[i]); Stack<> makes the one copy.
+struct InMemoryImages : datasets::Dataset<InMemoryImages, Example<>> {
+  explicit InMemoryImages(std::shared_ptr<perf::W1Data> data)
+      : data(std::move(data)),
+        images(torch::from_blob(this->data->images.data(),
+                                {static_cast<int64_t>(this->data->size()), perf::kW1Channels, perf::kW1Height,
+                                 perf::kW1Width},
+                                torch::kFloat)),
+        labels(torch::from_blob(this->data->labels.data(), {static_cast<int64_t>(this->data->size())},
+                                torch::kLong)) {}
+  Example<> get(size_t index) override {
+    const auto i = static_cast<int64_t>(index);
+    return {images[i], labels[i]};
+  }
+  torch::optional<size_t> size() const override { return data->size(); }
+  std::shared_ptr<perf::W1Data> data;  // owns what the tensors view
+  torch::Tensor images, labels;
+};
+
+// W2-W4: the sample is the work's result, a 0-dim int64 tensor.
+template <int64_t (*Work)(size_t, int64_t)>
+struct WorkDataset : datasets::Dataset<WorkDataset<Work>, TensorExample> {
+  WorkDataset(size_t n, int64_t parameter) : n(n), parameter(parameter) {}
+  TensorExample get(size_t index) override {
+    return TensorExample(torch::scalar_tensor(Work(index, parameter), torch::kLong));
+  }
+  torch::optional<size_t> size() const override { return n; }
+  size_t n;
+  int64_t parameter;
+};
+
+int64_t w2_work(size_t index, int64_t iterations) { return perf::spin(index, iterations); }
+int64_t w3_work(size_t index, int64_t) { return perf::w3_sample(index); }
+int64_t w4_work(size_t index, int64_t) { return perf::w4_sample(index); }
+
+#if CONVEYOR_PERF_HAVE_FORMATS
+// W5: the conveyor_driver's decode + augment (conveyor::formats), fed
+// through LibTorch's loader from a map-style view of the same shards: an
+// index of (offset, size) per member built once at start-up, pread per
+// sample. Each LibTorch worker thread binds its own conveyor generator (as a
+// conveyor worker has one), so the random crops and flips do not contend on
+// the process-wide generator's mutex.
+const conveyor::Normalize kNormalize{{perf::kW5Mean}, {perf::kW5Std}};
+
+struct ShardImages : datasets::Dataset<ShardImages, Example<>> {
+  explicit ShardImages(std::shared_ptr<const std::vector<perf::TarSample>> index) : index(std::move(index)) {}
+  Example<> get(size_t i) override {
+    thread_local conveyor::Generator generator(
+        std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    thread_local conveyor::detail::WorkerScope scope(nullptr, &generator);
+    static const auto transform =
+        conveyor::compose(conveyor::RandomCrop{perf::kW5Crop, perf::kW5Padding},
+                          conveyor::RandomHorizontalFlip{0.5}, conveyor::ToFloat{}, kNormalize);
+    const perf::TarSample& where = (*index)[i];
+    const std::vector<uint8_t> jpg = perf::pread_bytes(where.fd, where.jpg_offset, where.jpg_size);
+    const std::vector<uint8_t> cls = perf::pread_bytes(where.fd, where.cls_offset, where.cls_size);
+    const std::string text(cls.begin(), cls.end());
+    const long label = std::strtol(text.c_str(), nullptr, 10);
+    const conveyor::Array<uint8_t> image = conveyor::decode_image(jpg, "sample " + std::to_string(i), 1);
+    conveyor::Array<float> out = transform(image);
+    std::vector<int64_t> shape(out.shape().begin(), out.shape().end());
+    std::shared_ptr<void> owner = out.owner();
+    torch::Tensor tensor = torch::from_blob(
+        out.data(), shape, [owner](void*) mutable { owner.reset(); }, torch::kFloat);
+    return {tensor, torch::scalar_tensor(static_cast<int64_t>(label), torch::kLong)};
+  }
+  torch::optional<size_t> size() const override { return index->size(); }
+  std::shared_ptr<const std::vector<perf::TarSample>> index;
+};
+#endif
+
+template <class Dataset>
+int run(perf::Args args, Dataset dataset, const std::string& note = "") {
+  using Stack = torch::data::transforms::Stack<typename Dataset::ExampleType>;
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      dataset.map(Stack()), torch::data::DataLoaderOptions()
+                                .batch_size(static_cast<size_t>(args.batch_size))
+                                .workers(static_cast<size_t>(args.workers))
+                                .enforce_ordering(true));
+  using Iterator = decltype(loader->begin());
+  std::optional<Iterator> it;
+  bool first = true;
+  perf::Result result = perf::drive(
+      args,
+      [&] {
+        it.reset();
+        it.emplace(loader->begin());
+        first = true;
+      },
+      [&](size_t& samples) {
+        if (!first) ++*it;
+        first = false;
+        if (*it == loader->end()) return false;
+        samples = static_cast<size_t>((**it).data.size(0));
+        return true;
+      },
+      [] {});
+  result.peer = "libtorch";
+  result.extra = ",\"torch_threads\":" + std::to_string(torch::get_num_threads()) + note;
+  perf::print_result(args, result);
+  // A cut epoch still has jobs in flight; the loader's destructor drains
+  // them and joins its threads.
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  perf::Args args = perf::parse_args(argc, argv);
+  try {
+    if (args.workload == "W0") return run(args, TinyDataset(args.samples));
+    if (args.workload == "W1") {
+      auto data = std::make_shared<perf::W1Data>(args.samples);
+      return run(args, InMemoryImages(data), ",\"dataset_bytes\":" + std::to_string(data->bytes()));
+    }
+    if (args.workload == "W2") {
+      return run(args, WorkDataset<w2_work>(args.samples, args.w2_iterations),
+                 ",\"w2_iterations\":" + std::to_string(args.w2_iterations));
+    }
+    if (args.workload == "W3") return run(args, WorkDataset<w3_work>(args.samples, 0));
+    if (args.workload == "W4") return run(args, WorkDataset<w4_work>(args.samples, 0));
+#if CONVEYOR_PERF_HAVE_FORMATS
+    if (args.workload == "W5") {
+      auto index = std::make_shared<std::vector<perf::TarSample>>();
+      for (const std::string& shard : args.shards) perf::index_tar(shard, *index);
+      args.samples = index->size();
+      return run(args, ShardImages(index));
+    }
+#endif
+    std::fprintf(stderr, "libtorch_driver: %s is not built in (conveyor::formats missing)\n",
+                 args.workload.c_str());
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "libtorch_driver: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,420 @@
+#!/usr/bin/python3
+"""Turns perf/results/results.json (written by suite.py) into results.md:
+per-workload tables (median samples/s with min-max over repetitions, next()
+wait percentiles, peak RSS, CPU), ratios conveyor/peer and conveyor/limit,
+the issue's targets marked met or missed, conveyor's own metrics; and
+samples_vs_workers.png (gnuplot, pngcairo) when gnuplot is installed.
+
+  report.py [results.json] [output directory]
+
+Standard library only.
+"""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+MIB = 1024 * 1024
+ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
+PEERS = ["conveyor", "libtorch", "python"]
+
+
+def median(values):
+    return statistics.median(values) if values else None
+
+
+def fmt_rate(value):
+    if value is None:
+        return "-"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}"
+
+
+def fmt_ratio(value):
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def fmt_us(value):
+    if value is None:
+        return "-"
+    if value >= 1000:
+        return f"{value / 1000:.2f} ms"
+    return f"{value:.1f} us"
+
+
+class Config:
+    """One configuration (peer, workload, workers, mode) over its repetitions."""
+
+    def __init__(self, key):
+        self.peer, self.workload, self.workers, self.mode = key
+        self.results = []
+        self.usages = []
+        self.errors = []
+
+    def values(self, name):
+        return [r[name] for r in self.results if isinstance(r.get(name), (int, float))]
+
+    def rate(self):
+        return median(self.values("samples_per_s"))
+
+    def rate_range(self):
+        values = self.values("samples_per_s")
+        return (min(values), max(values)) if values else (None, None)
+
+    def usage(self, name):
+        return median([u[name] for u in self.usages if name in u])
+
+    def peak_rss_mib(self):
+        values = [u["max_rss_kb"] for u in self.usages if "max_rss_kb" in u]
+        return max(values) / 1024 if values else None
+
+    def cpu_per_timed_second(self):
+        """CPU seconds the peer used per second of its timed phase (its cores busy)."""
+        pairs = [(r["cpu_seconds_timed"], r["seconds"]) for r in self.results
+                 if r.get("seconds") and "cpu_seconds_timed" in r]
+        return median([cpu / seconds for cpu, seconds in pairs])
+
+    def metric(self, name):
+        return median([r["metrics"][name] for r in self.results if "metrics" in r and name in r["metrics"]])
+
+
+class Report:
+    def __init__(self, document):
+        self.doc = document
+        self.configs = {}
+        for run in document["runs"]:
+            key = (run["peer"], run["workload"], run["workers"], run.get("mode", ""))
+            config = self.configs.setdefault(key, Config(key))
+            if "result" in run:
+                config.results.append(run["result"])
+                config.usages.append(run.get("usage", {}))
+            else:
+                config.errors.append(run.get("error", "") or f"rc {run.get('rc')}")
+        self.calibration = document.get("calibration", {})
+        self.cores = document.get("machine", {}).get("cores", 1)
+        self.targets = []  # (target, measured, verdict)
+
+    # ---- lookups ---------------------------------------------------------------
+
+    def get(self, peer, workload, workers, mode=""):
+        config = self.configs.get((peer, workload, workers, mode))
+        return config if config and config.results else None
+
+    def rate(self, peer, workload, workers, mode=""):
+        config = self.get(peer, workload, workers, mode)
+        return config.rate() if config else None
+
+    def workers_of(self, workload):
+        return sorted({key[2] for key in self.configs if key[1] == workload})
+
+    def conveyor_modes(self, workload, workers):
+        return [key[3] for key in sorted(self.configs)
+                if key[0] == "conveyor" and key[1] == workload and key[2] == workers]
+
+    # ---- limits ----------------------------------------------------------------
+
+    def limit(self, workload, workers, language="c++"):
+        """The ideal samples/s for a configuration, or None where there is none."""
+        calibration = self.calibration.get(language, {})
+        threads = max(1, workers)
+        if workload == "W1":
+            return self.rate("memcpy", "W1", workers)
+        if workload == "W2":
+            cost = calibration.get("w2_cost_us")
+            return min(threads, self.cores) * 1e6 / cost if cost else None
+        if workload == "W3":
+            sleep = self.calibration.get("c++", {}).get("w3_sleep_mean_us")
+            return threads * 1e6 / sleep if sleep else None
+        if workload == "W4":
+            cost = self.calibration.get("c++", {}).get("w4_mean_cost_us")
+            return threads * 1e6 / cost if cost else None
+        return None
+
+    def limit_text(self, workload):
+        c = self.calibration.get("c++", {})
+        if workload == "W1":
+            return "W threads (1 for W=0) memcpy the same samples into their own batch buffers (conveyor_perf_limits --memcpy)."
+        if workload == "W2":
+            return (f"min(W, {self.cores} cores) / per-sample cost; C++ cost {c.get('w2_cost_us', 0):.2f} us "
+                    f"({c.get('w2_iterations', '?')} iterations), Python cost "
+                    f"{self.calibration.get('python', {}).get('w2_cost_us', 0):.2f} us "
+                    f"({self.calibration.get('python', {}).get('w2_iterations', '?')} iterations). "
+                    "The Python peer's ratio is against its own calibration.")
+        if workload == "W3":
+            return f"W / measured sleep; one 1 ms sleep measured {c.get('w3_sleep_mean_us', 0):.1f} us on average."
+        if workload == "W4":
+            return (f"W / measured mean cost per sample over indices 0..999 = "
+                    f"{c.get('w4_mean_cost_us', 0):.1f} us (nominal 249.5 us).")
+        return ""
+
+    # ---- tables ------------------------------------------------------------------
+
+    def table(self, workload):
+        lines = []
+        has_limit = workload in ("W1", "W2", "W3", "W4")
+        header = ["peer", "W", "mode", "samples/s (median)", "min-max", "next() p50", "next() p99",
+                  "peak RSS", "CPU/s", "conveyor/peer"]
+        if has_limit:
+            header += ["limit samples/s", "peer/limit"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        for workers in self.workers_of(workload):
+            conveyor_default = self.rate("conveyor", workload, workers, self.default_mode(workload, workers))
+            rows = []
+            for peer in PEERS:
+                modes = self.conveyor_modes(workload, workers) if peer == "conveyor" else [""]
+                for mode in modes:
+                    config = self.configs.get((peer, workload, workers, mode))
+                    if not config:
+                        continue
+                    rows.append((peer, mode, config))
+            for peer, mode, config in rows:
+                if not config.results:
+                    cells = [peer, str(workers), mode or "", "failed", "", "", "", "", "", ""]
+                    if has_limit:
+                        cells += ["", ""]
+                    lines.append("| " + " | ".join(cells) + " |")
+                    continue
+                rate = config.rate()
+                low, high = config.rate_range()
+                versus = "-"
+                if peer != "conveyor" and conveyor_default and rate:
+                    versus = fmt_ratio(conveyor_default / rate)
+                cpu = config.cpu_per_timed_second()
+                rss = config.peak_rss_mib()
+                cells = [peer, str(workers), mode or "", fmt_rate(rate), f"{fmt_rate(low)}-{fmt_rate(high)}",
+                         fmt_us(median(config.values("wait_p50_us"))), fmt_us(median(config.values("wait_p99_us"))),
+                         "-" if rss is None else f"{rss:.0f} MiB", "-" if cpu is None else f"{cpu:.2f}", versus]
+                if has_limit:
+                    limit = self.limit(workload, workers, "python" if peer == "python" else "c++")
+                    cells += [fmt_rate(limit), fmt_ratio(rate / limit) if limit and rate else "-"]
+                lines.append("| " + " | ".join(cells) + " |")
+            if workload == "W1":
+                memcpy = self.get("memcpy", "W1", workers)
+                if memcpy:
+                    low, high = memcpy.rate_range()
+                    cells = ["memcpy limit", str(workers), f"{max(1, workers)} threads", fmt_rate(memcpy.rate()),
+                             f"{fmt_rate(low)}-{fmt_rate(high)}", "", "",
+                             f"{memcpy.peak_rss_mib():.0f} MiB" if memcpy.peak_rss_mib() else "-", "", "", "", ""]
+                    lines.append("| " + " | ".join(cells) + " |")
+        return lines
+
+    def default_mode(self, workload, workers):
+        modes = self.conveyor_modes(workload, workers)
+        for mode in modes:
+            if mode in ("", "round_robin, in_order=on"):
+                return mode
+        return modes[0] if modes else ""
+
+    def metrics_table(self):
+        lines = ["| workload | W | mode | stall % | fetch s | collate s | mean in flight / window |",
+                 "|---|---|---|---|---|---|---|"]
+        for workload in ORDER:
+            for workers in self.workers_of(workload):
+                for mode in self.conveyor_modes(workload, workers):
+                    config = self.get("conveyor", workload, workers, mode)
+                    if not config or config.metric("wall_s") is None:
+                        continue
+                    window = config.metric("window")
+                    lines.append(f"| {workload} | {workers} | {mode} | {config.metric('stall_pct'):.1f} | "
+                                 f"{config.metric('fetch_s'):.3f} | {config.metric('collate_s'):.3f} | "
+                                 f"{config.metric('mean_in_flight'):.1f} / {window:.0f} |")
+        return lines
+
+    # ---- targets -------------------------------------------------------------------
+
+    def target(self, name, measured, met):
+        verdict = "no data" if met is None else ("met" if met else "**missed**")
+        self.targets.append((name, measured, verdict))
+
+    def ratio_target(self, name, workload, workers_list, numerator, denominator, threshold):
+        parts, verdicts = [], []
+        for workers in workers_list:
+            top, bottom = numerator(workers), denominator(workers)
+            if top is None or bottom is None or bottom == 0:
+                continue
+            ratio = top / bottom
+            parts.append(f"W={workers}: {ratio:.2f}x")
+            verdicts.append(ratio >= threshold)
+        self.target(name, "; ".join(parts) or "-", all(verdicts) if verdicts else None)
+
+    def evaluate(self):
+        conveyor = lambda w: (lambda workers: self.rate("conveyor", w, workers, self.default_mode(w, workers)))
+        peer = lambda name, w: (lambda workers: self.rate(name, w, workers))
+        limit = lambda w: (lambda workers: self.limit(w, workers))
+        self.ratio_target("W0 >= 10x LibTorch", "W0", self.workers_of("W0"), conveyor("W0"), peer("libtorch", "W0"), 10)
+        self.ratio_target("W1 >= 1.2x LibTorch", "W1", self.workers_of("W1"), conveyor("W1"), peer("libtorch", "W1"), 1.2)
+        self.ratio_target("W1 >= 0.8x the memcpy limit", "W1", self.workers_of("W1"), conveyor("W1"), limit("W1"), 0.8)
+        self.ratio_target("W2 >= 0.97x the limit", "W2", self.workers_of("W2"), conveyor("W2"), limit("W2"), 0.97)
+        self.ratio_target("W3 >= 0.97x the limit at W=64", "W3", [64], conveyor("W3"), limit("W3"), 0.97)
+        # W4: throughput and tail together, in one mode of conveyor's.
+        parts, verdicts = [], []
+        for workers in self.workers_of("W4"):
+            lim = self.limit("W4", workers)
+            torch_config = self.get("libtorch", "W4", workers)
+            if not lim or not torch_config:
+                continue
+            torch_p99 = median(torch_config.values("wait_p99_us"))
+            candidates = []
+            for mode in self.conveyor_modes("W4", workers):
+                config = self.get("conveyor", "W4", workers, mode)
+                if not config:
+                    continue
+                ratio = config.rate() / lim
+                p99 = median(config.values("wait_p99_us"))
+                candidates.append((ratio >= 0.95 and p99 <= torch_p99 / 2, ratio, mode, p99))
+            if not candidates:
+                continue
+            met, ratio, mode, p99 = max(candidates)
+            parts.append(f"W={workers}, {mode}: {ratio:.2f}x the limit, p99 {fmt_us(p99)} vs LibTorch's "
+                         f"{fmt_us(torch_p99)}")
+            verdicts.append(met)
+        self.target("W4 >= 0.95x the limit with p99 next() <= half of LibTorch's (best mode)",
+                    "; ".join(parts) or "-", all(verdicts) if verdicts else None)
+        self.ratio_target("W5 >= 3x Python", "W5", self.workers_of("W5"), conveyor("W5"), peer("python", "W5"), 3)
+        parts, verdicts = [], []
+        for workers in self.workers_of("W1"):
+            config = self.get("conveyor", "W1", workers, self.default_mode("W1", workers))
+            if not config or config.peak_rss_mib() is None:
+                continue
+            dataset = median(config.values("dataset_bytes")) or 0
+            window = 2 * workers  # prefetch_factor 2
+            batch_bytes = 256 * (3 * 32 * 32 * 4 + 8)
+            bound = (dataset + (window + 2) * batch_bytes) / MIB + 32
+            parts.append(f"W={workers}: {config.peak_rss_mib():.0f} MiB <= {bound:.0f} MiB")
+            verdicts.append(config.peak_rss_mib() <= bound)
+        self.target("W1 peak RSS <= dataset + (window + 2) batches + 32 MiB", "; ".join(parts) or "-",
+                    all(verdicts) if verdicts else None)
+
+    # ---- the document -----------------------------------------------------------------
+
+    def markdown(self, plot_name):
+        doc = self.doc
+        machine = doc.get("machine", {})
+        settings = doc.get("settings", {})
+        out = ["# conveyor performance suite: results", ""]
+        out.append(f"Generated {doc.get('generated', '?')} by `perf/run_all` in {doc.get('duration_s', 0) / 60:.1f} min "
+                   f"on {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('memory', '?')} "
+                   f"({machine.get('platform', '')}).")
+        out.append(f"Each configuration: {settings.get('warmup')} s warm-up (cut epoch), {settings.get('seconds')} s timed, "
+                   f"{settings.get('reps')} repetitions interleaved; medians, min-max across repetitions. "
+                   "`conveyor/peer` compares conveyor's default mode (round_robin, in order) at the same W. "
+                   "`CPU/s` is CPU seconds per timed second (all the peer's threads and processes). "
+                   "Peak RSS is the whole process's (Python: the parent only), from `/usr/bin/time -v`.")
+        out.append("")
+        self.evaluate()
+        out += ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+        for name, measured, verdict in self.targets:
+            out.append(f"| {name} | {measured} | {verdict} |")
+        out.append("")
+        names = {"W0": "W0 tiny: 8-byte samples, batch 8", "W1": "W1 overhead-bound: 3x32x32 float32 + int64, batch 256",
+                 "W2": "W2 CPU-bound: ~50 us of arithmetic per sample, batch 64",
+                 "W3": "W3 latency-bound: 1 ms sleep per sample, batch 32",
+                 "W4": "W4 stragglers: 50 us, every 100th sample 20 ms, batch 32",
+                 "W5": "W5 real: Fashion-MNIST JPEG tar shards, decode + crop + flip + normalize, batch 64"}
+        for workload in ORDER:
+            if not self.workers_of(workload):
+                continue
+            out += [f"## {names[workload]}", ""]
+            text = self.limit_text(workload)
+            if text:
+                out += [f"Limit: {text}", ""]
+            if workload == "W0":
+                rows = []
+                for workers in self.workers_of("W0"):
+                    for p in PEERS:
+                        config = self.get(p, "W0", workers)
+                        if config and config.rate():
+                            rows.append(f"{p} W={workers}: {1e9 / median(config.values('batches_per_s')):,.0f} ns/batch")
+                out += ["Time per batch: " + "; ".join(rows) + ".", ""]
+            out += self.table(workload) + [""]
+        out += ["## conveyor's own metrics (Epoch::metrics(), timed phase, median over repetitions)", ""]
+        out += self.metrics_table() + [""]
+        if plot_name:
+            out += ["## Samples/s against workers", "", f"![samples/s vs workers]({plot_name})", ""]
+        failures = [(key, config.errors) for key, config in sorted(self.configs.items()) if config.errors]
+        notes = doc.get("notes", [])
+        if notes or failures:
+            out += ["## Notes", ""]
+            out += [f"- {note}" for note in notes]
+            for key, errors in failures:
+                out.append(f"- {key[0]} {key[1]} W={key[2]} {key[3]}: {len(errors)} failed run(s): "
+                           f"{errors[-1].strip().splitlines()[-1] if errors[-1].strip() else '?'}")
+            out.append("")
+        calibration = json.dumps(self.calibration, indent=1)
+        out += ["## Calibration", "", "```json", calibration, "```", ""]
+        return "\n".join(out)
+
+    # ---- the plot ------------------------------------------------------------------------
+
+    def plot(self, directory):
+        gnuplot = shutil.which("gnuplot")
+        if not gnuplot:
+            return None, "gnuplot is not installed (Debian package gnuplot-nox): no plot"
+        workloads = [w for w in ORDER if self.workers_of(w)]
+        if not workloads:
+            return None, "no runs to plot"
+        data_dir = os.path.join(directory, "plot-data")
+        os.makedirs(data_dir, exist_ok=True)
+        series_names = ["conveyor", "libtorch", "python", "limit"]
+        script = ["set terminal pngcairo size 1500,900 font ',10'",
+                  f"set output '{os.path.join(directory, 'samples_vs_workers.png')}'",
+                  f"set multiplot layout 2,3 title 'conveyor vs peers: samples/s by workers (median of repetitions)'",
+                  "set key top left", "set grid ytics", "set ylabel 'samples/s'", "set xlabel 'workers'",
+                  "set style data linespoints", "set format y '%.1s%c'"]
+        for workload in workloads:
+            workers = self.workers_of(workload)
+            path = os.path.join(data_dir, f"{workload}.dat")
+            with open(path, "w") as f:
+                f.write("# workers " + " ".join(series_names) + "\n")
+                for w in workers:
+                    values = [self.rate("conveyor", workload, w, self.default_mode(workload, w)),
+                              self.rate("libtorch", workload, w), self.rate("python", workload, w),
+                              self.limit(workload, w)]
+                    f.write(f"{w} " + " ".join("NaN" if v is None else f"{v:.3f}" for v in values) + "\n")
+            # W0 spans three orders of magnitude between peers.
+            script.append("set logscale y" if workload == "W0" else "unset logscale y")
+            script.append("set yrange [*:*]" if workload == "W0" else "set yrange [0:*]")
+            script.append(f"set title '{workload}'")
+            plots = []
+            for column, name in enumerate(series_names, start=2):
+                style = "dashtype 2 lc rgb 'gray40'" if name == "limit" else ""
+                plots.append(f"'{path}' using 0:{column}:xtic(1) title '{name}' {style}")
+            script.append("plot " + ", ".join(plots))
+        script.append("unset multiplot")
+        script_path = os.path.join(data_dir, "plot.gp")
+        with open(script_path, "w") as f:
+            f.write("\n".join(script) + "\n")
+        result = subprocess.run([gnuplot, script_path], capture_output=True, text=True)
+        if result.returncode != 0:
+            return None, "gnuplot failed: " + result.stderr.strip()[-500:]
+        return "samples_vs_workers.png", None
+
+
+def main():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    source = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "perf", "results", "results.json")
+    directory = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(source))
+    with open(source) as f:
+        document = json.load(f)
+    report = Report(document)
+    plot_name, problem = report.plot(directory)
+    if problem:
+        document.setdefault("notes", []).append(problem)
+        print(f"report: {problem}", file=sys.stderr)
+    text = report.markdown(plot_name)
+    path = os.path.join(directory, "results.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}" + (f" and {os.path.join(directory, plot_name)}" if plot_name else ""))
+    # The targets, on the console too.
+    for name, measured, verdict in report.targets:
+        print(f"  {verdict:>10}  {name}: {measured}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+#!/usr/bin/python3
+"""Runs conveyor's performance suite: every workload on every peer, under
+/usr/bin/time -v, with repetitions, and writes perf/results/results.json.
+Called by perf/run_all (which builds the drivers first); perf/README.md
+documents the workloads, peers, limits and environment variables.
+
+Standard library only.
+"""
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def env_float(name, default):
+    value = os.environ.get(name, "")
+    return float(value) if value.strip() else default
+
+
+def env_int(name, default):
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def env_list(name, default):
+    value = os.environ.get(name, "")
+    return value.split() if value.strip() else default
+
+
+# ---- the suite's parameters (perf/README.md) -------------------------------
+
+BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64}
+WORKERS = {"W0": [0, 1, 2, 4], "W1": [0, 1, 2, 4], "W2": [1, 2], "W3": [1, 4, 16, 64],
+           "W4": [4, 16], "W5": [1, 2]}
+W4_MODES = [("round_robin", 1), ("round_robin", 0), ("work_stealing", 1), ("work_stealing", 0)]
+NAMES = {"W0": "tiny (8-byte samples)", "W1": "overhead-bound (in-memory 3x32x32 float32)",
+         "W2": "CPU-bound (~50 us of arithmetic per sample)", "W3": "latency-bound (1 ms sleep per sample)",
+         "W4": "stragglers (50 us, every 100th sample 20 ms)",
+         "W5": "real (Fashion-MNIST JPEG tar shards: decode + augment)"}
+PREFETCH_FACTOR = 2
+W1_SAMPLES = 10000
+W1_SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
+W5_SAMPLE_BYTES = 28 * 28 * 4 + 8
+W3_LATENCY_US = 1000.0
+W4_MEAN_US = 0.99 * 50.0 + 0.01 * 20000.0  # 249.5 us
+MIB = 1024 * 1024
+
+
+class Suite:
+    def __init__(self):
+        self.build = os.path.abspath(os.environ.get("PERF_BUILD_DIR", os.path.join(ROOT, "build-perf")))
+        self.out = os.path.abspath(os.environ.get("PERF_RESULTS_DIR", os.path.join(ROOT, "perf", "results")))
+        self.reps = max(1, env_int("PERF_REPS", 3))
+        self.seconds = env_float("PERF_SECONDS", 2.0)
+        self.warmup = env_float("PERF_WARMUP", 1.0)
+        self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
+        self.peers = env_list("PERF_PEERS", ["conveyor", "libtorch", "python"])
+        self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
+        self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
+        self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
+        self.time_bin = "/usr/bin/time" if os.access("/usr/bin/time", os.X_OK) else None
+        self.cores = os.cpu_count() or 1
+        self.notes = []
+        self.runs = []
+        self.started = time.time()
+        self.durations = {}  # kind -> [seconds]
+
+    # ---- drivers -----------------------------------------------------------
+
+    def binary(self, name):
+        path = os.path.join(self.build, "perf", name)
+        return path if os.access(path, os.X_OK) else None
+
+    def driver_command(self, peer, workload, workers, scheduling=None, in_order=None):
+        common = ["--workload", workload, "--workers", str(workers), "--seconds", str(self.seconds),
+                  "--warmup", str(self.warmup)]
+        if workload == "W2":
+            iterations = self.calibration["python" if peer == "python" else "c++"]["w2_iterations"]
+            common += ["--w2-iterations", str(iterations)]
+        if workload == "W5":
+            common += ["--shards", ",".join(self.shards)]
+        if peer == "conveyor":
+            command = [self.binary("conveyor_driver")] + common
+            if scheduling:
+                command += ["--scheduling", scheduling]
+            if in_order is not None:
+                command += ["--in-order", str(in_order)]
+            return command
+        if peer == "libtorch":
+            return [self.binary("libtorch_driver")] + common
+        return [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py")] + common
+
+    def available(self, peer, workload):
+        if peer == "conveyor" and not self.binary("conveyor_driver"):
+            return "conveyor_driver was not built"
+        if peer == "libtorch" and not self.binary("libtorch_driver"):
+            return "libtorch_driver was not built (CONVEYOR_WITH_TORCH=OFF or LibTorch missing)"
+        if peer == "python" and not self.has_torch_python:
+            return f"{self.python} cannot import torch (python3-torch)"
+        if workload == "W5":
+            if not self.shards:
+                return "no shards (conveyor-make-shards was not built or failed)"
+            if peer == "python" and not self.has_pil:
+                return "PIL (python3-pil) and numpy are not importable"
+        return None
+
+    # ---- running one command under /usr/bin/time -v ------------------------
+
+    def measure(self, command):
+        """Runs `command`; returns (stdout, stderr, rc, usage) where usage has
+        max_rss_kb, user_s, system_s, wall_s."""
+        usage = {}
+        started = time.monotonic()
+        if self.time_bin:
+            with tempfile.NamedTemporaryFile("r", suffix=".time", delete=False) as handle:
+                time_file = handle.name
+            full = [self.time_bin, "-v", "-o", time_file] + command
+        else:
+            full = command
+        process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=ROOT)
+        try:
+            stdout, stderr = process.communicate(timeout=self.timeout)
+            rc = process.returncode
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+            rc = "timeout"
+        usage["wall_s"] = time.monotonic() - started
+        if self.time_bin:
+            try:
+                with open(time_file) as f:
+                    text = f.read()
+            except OSError:
+                text = ""
+            finally:
+                try:
+                    os.unlink(time_file)
+                except OSError:
+                    pass
+            for key, pattern in (("max_rss_kb", r"Maximum resident set size \(kbytes\): (\d+)"),
+                                 ("user_s", r"User time \(seconds\): ([\d.]+)"),
+                                 ("system_s", r"System time \(seconds\): ([\d.]+)")):
+                match = re.search(pattern, text)
+                if match:
+                    usage[key] = float(match.group(1))
+            match = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", text)
+            if match:
+                seconds = 0.0
+                for part in match.group(1).split(":"):
+                    seconds = seconds * 60 + float(part)
+                usage["wall_s"] = seconds
+        if "user_s" in usage and "system_s" in usage:
+            usage["cpu_s"] = usage["user_s"] + usage["system_s"]
+        return stdout, stderr, rc, usage
+
+    @staticmethod
+    def last_json(stdout):
+        for line in reversed(stdout.splitlines()):
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+        return None
+
+    # ---- progress --------------------------------------------------------------
+
+    def estimate(self, kind):
+        done = self.durations.get(kind)
+        if done:
+            return sum(done) / len(done)
+        guess = {"conveyor": 0.6, "libtorch": 1.4, "python": 2.5, "memcpy": 0.7}.get(kind.split(":")[0], 1.0)
+        extra = 2.0 if kind.endswith(":W5") and kind.startswith("python") else 0.0
+        return self.warmup + self.seconds + guess + extra
+
+    def progress(self, index, total, label, remaining):
+        eta = sum(self.estimate(kind) for kind in remaining)
+        elapsed = time.time() - self.started
+        print(f"[{index}/{total}] {label}  (elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min)", flush=True)
+
+    # ---- the suite ---------------------------------------------------------------
+
+    def calibrate(self):
+        self.calibration = {}
+        limits = self.binary("conveyor_perf_limits")
+        if limits:
+            print("calibrating C++ (W2 spin iterations for 50 us; W3/W4 measured sleeps) ...", flush=True)
+            stdout, stderr, rc, _ = self.measure([limits, "--calibrate"])
+            self.calibration["c++"] = self.last_json(stdout) or {"error": stderr[-2000:]}
+        if self.has_torch_python:
+            print("calibrating Python (W2 spin iterations for 50 us) ...", flush=True)
+            stdout, stderr, rc, _ = self.measure(
+                [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py"), "--calibrate"])
+            self.calibration["python"] = self.last_json(stdout) or {"error": stderr[-2000:]}
+        for language, values in self.calibration.items():
+            print(f"  {language}: {json.dumps(values)}", flush=True)
+
+    def plan(self):
+        jobs = []  # (kind, label, meta, command)
+        for workload in self.workloads:
+            if workload not in WORKERS:
+                self.notes.append(f"unknown workload {workload} skipped")
+                continue
+            for workers in WORKERS[workload]:
+                if workload == "W1" and self.binary("conveyor_perf_limits"):
+                    command = [self.binary("conveyor_perf_limits"), "--memcpy", "--threads", str(max(1, workers)),
+                               "--seconds", str(self.seconds), "--samples", str(W1_SAMPLES),
+                               "--batch-size", str(BATCH["W1"])]
+                    jobs.append(("memcpy", f"W1 memcpy limit threads={max(1, workers)}",
+                                 {"peer": "memcpy", "workload": "W1", "workers": workers}, command))
+                for peer in self.peers:
+                    why = self.available(peer, workload)
+                    if why:
+                        note = f"{workload} {peer}: not run: {why}"
+                        if note not in self.notes:
+                            self.notes.append(note)
+                        continue
+                    if workload == "W2" and peer == "libtorch" and "c++" not in self.calibration:
+                        continue
+                    modes = W4_MODES if (peer == "conveyor" and workload == "W4") else [(None, None)]
+                    for scheduling, in_order in modes:
+                        label = f"{workload} {peer} workers={workers}"
+                        if scheduling:
+                            label += f" {scheduling} in_order={in_order}"
+                        meta = {"peer": peer, "workload": workload, "workers": workers,
+                                "mode": f"{scheduling}, in_order={'on' if in_order else 'off'}" if scheduling else ""}
+                        jobs.append((f"{peer}:{workload}", label, meta,
+                                     self.driver_command(peer, workload, workers, scheduling, in_order)))
+        return jobs
+
+    def run(self):
+        os.makedirs(self.out, exist_ok=True)
+        self.has_torch_python = subprocess.run([self.python, "-c", "import torch"], capture_output=True).returncode == 0
+        self.has_pil = subprocess.run([self.python, "-c", "import PIL, numpy"], capture_output=True).returncode == 0
+        if not self.time_bin:
+            self.notes.append("/usr/bin/time is missing (Debian package `time`): no peak RSS or CPU totals")
+        self.calibrate()
+        jobs = self.plan()
+        # Repetitions interleave: every configuration once, then again, so
+        # that drift on a shared machine spreads over all of them.
+        schedule = [(rep, job) for rep in range(self.reps) for job in jobs]
+        total = len(schedule)
+        print(f"{len(jobs)} configurations x {self.reps} repetitions = {total} runs, "
+              f"{self.warmup:g} s warm-up + {self.seconds:g} s timed each", flush=True)
+        for index, (rep, (kind, label, meta, command)) in enumerate(schedule, 1):
+            remaining = [job[1][0] for job in schedule[index - 1:]]
+            self.progress(index, total, f"{label}  rep {rep + 1}/{self.reps}", remaining)
+            stdout, stderr, rc, usage = self.measure(command)
+            self.durations.setdefault(kind, []).append(usage.get("wall_s", 0.0))
+            result = self.last_json(stdout)
+            record = dict(meta)
+            record.update({"rep": rep, "command": " ".join(command), "rc": rc, "usage": usage})
+            if result is None or rc != 0:
+                record["error"] = (stderr or "")[-1500:]
+                print(f"    FAILED (rc {rc}): {(stderr or '').strip()[-300:]}", flush=True)
+            else:
+                record["result"] = result
+                line = f"    {result.get('samples_per_s', 0):,.0f} samples/s"
+                if "wait_p99_us" in result:
+                    line += f", next() p50 {result['wait_p50_us']:.1f} us p99 {result['wait_p99_us']:.1f} us"
+                if "max_rss_kb" in usage:
+                    line += f", RSS {usage['max_rss_kb'] / 1024:.0f} MiB, CPU {usage.get('cpu_s', 0):.2f} s"
+                metrics = result.get("metrics")
+                if metrics:  # conveyor's own (Epoch::metrics())
+                    line += (f"\n    conveyor: stall {metrics['stall_pct']:.1f}%, fetch {metrics['fetch_s']:.3f} s, "
+                             f"collate {metrics['collate_s']:.3f} s, in flight {metrics['mean_in_flight']:.1f}"
+                             f" of {metrics['window']}")
+                print(line, flush=True)
+            self.runs.append(record)
+        self.write()
+
+    def machine(self):
+        info = {"cores": self.cores, "platform": platform.platform(), "python": platform.python_version()}
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        info["cpu"] = line.split(":", 1)[1].strip()
+                        break
+            with open("/proc/meminfo") as f:
+                info["memory"] = f.readline().split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return info
+
+    def write(self):
+        document = {
+            "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "duration_s": time.time() - self.started,
+            "machine": self.machine(),
+            "settings": {"reps": self.reps, "seconds": self.seconds, "warmup": self.warmup,
+                         "workloads": self.workloads, "peers": self.peers, "shards": self.shards,
+                         "prefetch_factor": PREFETCH_FACTOR, "batch_size": BATCH, "workers": WORKERS,
+                         "w1_samples": W1_SAMPLES, "time_bin": self.time_bin},
+            "calibration": self.calibration,
+            "notes": self.notes,
+            "runs": self.runs,
+        }
+        path = os.path.join(self.out, "results.json")
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+        print(f"wrote {path}", flush=True)
+
+
+def main():
+    Suite().run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

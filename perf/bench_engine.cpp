@@ -159,7 +159,7 @@ struct MoodycamelQueue {
   moodycamel::ConcurrentQueue<uint64_t> queue;
   moodycamel::ProducerToken token{queue};
   void push(uint64_t item) { queue.enqueue(token, item); }
-  bool pop(uint64_t& item) { return queue.try_dequeue_from_producer(token, item); }
+  bool pop(uint64_t& item) { return queue.try_dequeue(item); }
   size_t approx_size() const { return queue.size_approx(); }
 };
 

@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+import w4_model  # beside this file
+
 MIB = 1024 * 1024
 ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
 PEERS = ["conveyor", "libtorch", "python"]
@@ -265,12 +267,13 @@ class Report:
                     continue
                 ratio = config.rate() / lim
                 p99 = median(config.values("wait_p99_us"))
-                candidates.append((ratio >= 0.95 and p99 <= torch_p99 / 2, ratio, mode, p99))
+                # Best: meets both; else keeps up with the limit at the lowest tail.
+                candidates.append((ratio >= 0.95 and p99 <= torch_p99 / 2, ratio >= 0.95, -p99, ratio, mode))
             if not candidates:
                 continue
-            met, ratio, mode, p99 = max(candidates)
-            parts.append(f"W={workers}, {mode}: {ratio:.2f}x the limit, p99 {fmt_us(p99)} vs LibTorch's "
-                         f"{fmt_us(torch_p99)}")
+            met, _, negative_p99, ratio, mode = max(candidates)
+            parts.append(f"W={workers}, {mode}: {ratio:.2f}x the limit, p99 {fmt_us(-negative_p99)} vs LibTorch's "
+                         f"{fmt_us(torch_p99)} (model floor for this mode: {fmt_us(self.w4_model_p99(workers, mode))})")
             verdicts.append(met)
         self.target("W4 >= 0.95x the limit with p99 next() <= half of LibTorch's (best mode)",
                     "; ".join(parts) or "-", all(verdicts) if verdicts else None)
@@ -291,7 +294,25 @@ class Report:
 
     # ---- the document -----------------------------------------------------------------
 
-    def markdown(self, plot_name):
+    def w4_model_p99(self, workers, mode):
+        scheduling, _, order = mode.partition(", in_order=")
+        return 1000.0 * w4_model.run(workers, scheduling, order == "on", batches=20000, prefetch=2)[1]
+
+    def w4_floor(self):
+        """The zero-overhead model's figures for the W values measured (w4_model.py)."""
+        lines = ["The floor for any batch-level loader with this window (perf/tools/w4_model.py: "
+                 "zero-overhead workers, nominal costs, a consumer that never waits on itself). "
+                 "A measured p99 near the model's is the schedule's, not the runtime's.", "",
+                 "| W | mode | model next() p50 | model next() p99 | model samples/s |", "|---|---|---|---|---|"]
+        for workers in self.workers_of("W4"):
+            for mode in ("round_robin", "work_stealing"):
+                for in_order in (False, True):
+                    p50, p99, rate = w4_model.run(workers, mode, in_order, batches=20000, prefetch=2)
+                    label = f"{mode}, in_order={'on' if in_order else 'off'}"
+                    lines.append(f"| {workers} | {label} | {p50:.2f} ms | {p99:.2f} ms | {rate:,.0f} |")
+        return lines
+
+    def markdown(self, plot_name, directory=None):
         doc = self.doc
         machine = doc.get("machine", {})
         settings = doc.get("settings", {})
@@ -331,8 +352,11 @@ class Report:
                             rows.append(f"{p} W={workers}: {1e9 / median(config.values('batches_per_s')):,.0f} ns/batch")
                 out += ["Time per batch: " + "; ".join(rows) + ".", ""]
             out += self.table(workload) + [""]
+            if workload == "W4":
+                out += self.w4_floor() + [""]
         out += ["## conveyor's own metrics (Epoch::metrics(), timed phase, median over repetitions)", ""]
         out += self.metrics_table() + [""]
+        out += microbench_table(directory)
         if plot_name:
             out += ["## Samples/s against workers", "", f"![samples/s vs workers]({plot_name})", ""]
         failures = [(key, config.errors) for key, config in sorted(self.configs.items()) if config.errors]
@@ -359,7 +383,8 @@ class Report:
             return None, "no runs to plot"
         data_dir = os.path.join(directory, "plot-data")
         os.makedirs(data_dir, exist_ok=True)
-        series_names = ["conveyor", "libtorch", "python", "limit"]
+        # W4 adds conveyor in LibTorch's schedule (a shared queue, in order) beside its default.
+        stealing_in_order = "work_stealing, in_order=on"
         script = ["set terminal pngcairo size 1500,900 font ',10'",
                   f"set output '{os.path.join(directory, 'samples_vs_workers.png')}'",
                   f"set multiplot layout 2,3 title 'conveyor vs peers: samples/s by workers (median of repetitions)'",
@@ -368,12 +393,17 @@ class Report:
         for workload in workloads:
             workers = self.workers_of(workload)
             path = os.path.join(data_dir, f"{workload}.dat")
+            series_names = ["conveyor", "libtorch", "python", "limit"]
+            if workload == "W4":
+                series_names.append("conveyor work-stealing in order")
             with open(path, "w") as f:
-                f.write("# workers " + " ".join(series_names) + "\n")
+                f.write("# workers " + " ".join(n.replace(" ", "_") for n in series_names) + "\n")
                 for w in workers:
                     values = [self.rate("conveyor", workload, w, self.default_mode(workload, w)),
                               self.rate("libtorch", workload, w), self.rate("python", workload, w),
                               self.limit(workload, w)]
+                    if workload == "W4":
+                        values.append(self.rate("conveyor", workload, w, stealing_in_order))
                     f.write(f"{w} " + " ".join("NaN" if v is None else f"{v:.3f}" for v in values) + "\n")
             # W0 spans three orders of magnitude between peers.
             script.append("set logscale y" if workload == "W0" else "unset logscale y")
@@ -394,10 +424,36 @@ class Report:
         return "samples_vs_workers.png", None
 
 
+def microbench_table(directory):
+    """Medians of the Google Benchmark runs run_all leaves beside results.json."""
+    rows = []
+    for name in ("microbench_engine.json", "microbench_core.json"):
+        path = os.path.join(directory or ".", name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            benchmarks = json.load(f).get("benchmarks", [])
+        for b in benchmarks:
+            if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+                continue
+            label = b["name"].replace("/min_time:0.500", "").replace("/real_time", "").removesuffix("_median")
+            rate = (f"{b['bytes_per_second'] / 1e9:.2f} GB/s" if "bytes_per_second" in b
+                    else f"{b['items_per_second']:,.0f} items/s" if "items_per_second" in b else "")
+            switches = f"{b['ctx_switches/batch']:.4f}" if "ctx_switches/batch" in b else ""
+            rows.append(f"| {label} | {b['real_time']:,.1f} {b.get('time_unit', 'ns')} | {rate} | {switches} |")
+    if not rows:
+        return []
+    return ["## Microbenchmarks (Google Benchmark, median of 3 repetitions)", "",
+            "Per item: a batch for the handoff and loader, an element for the queues, "
+            "a 256-sample batch for collate and memcpy.", "",
+            "| benchmark | time per item | rate | context switches per batch |", "|---|---|---|---|"] + rows + [""]
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     source = sys.argv[1] if len(sys.argv) > 1 else os.path.join(root, "perf", "results", "results.json")
     directory = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(source))
+    os.makedirs(directory, exist_ok=True)
     with open(source) as f:
         document = json.load(f)
     report = Report(document)
@@ -405,7 +461,7 @@ def main():
     if problem:
         document.setdefault("notes", []).append(problem)
         print(f"report: {problem}", file=sys.stderr)
-    text = report.markdown(plot_name)
+    text = report.markdown(plot_name, directory)
     path = os.path.join(directory, "results.md")
     with open(path, "w") as f:
         f.write(text)

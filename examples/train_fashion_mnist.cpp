@@ -170,22 +170,10 @@ Sample plain(conveyor::LabeledImage&& sample) {
   return {kNormalize(conveyor::ToFloat{}(sample.image)), sample.label};
 }
 
-// A shard sample (jpg + cls) as a LabeledImage; a bad one is a DataError
-// naming the shard and key.
+// A shard sample (jpg + cls) as a one-channel LabeledImage; a bad one is a
+// DataError naming the shard and key.
 conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
-  const std::string where = sample.shard + ":" + sample.key;
-  const auto image = sample.fields.find("jpg");
-  const auto label = sample.fields.find("cls");
-  if (image == sample.fields.end() || label == sample.fields.end()) {
-    throw conveyor::DataError("sample lacks jpg or cls", sample.shard, sample.key);
-  }
-  const std::string text(label->second.begin(), label->second.end());
-  char* end = nullptr;
-  const long value = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || value < 0 || value > 9) {
-    throw conveyor::DataError("bad class label '" + text + "'", sample.shard, sample.key);
-  }
-  return {conveyor::decode_image(image->second, where, 1), value};
+  return conveyor::decode_class_sample(sample, {.channels = 1, .num_classes = 10});
 }
 
 // Fashion-MNIST as JPEG shards, written once into `directory`.

@@ -19,6 +19,7 @@
 
 #include "conveyor/data_error.h"
 #include "conveyor/dataset.h"
+#include "conveyor/idx.h"
 
 namespace conveyor {
 
@@ -85,6 +86,20 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 // multiply out left to right. Throws ValueError for a malformed range
 // (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
+
+// Where a classification sample keeps its parts (WebDataset's convention).
+struct ClassSampleFields {
+  std::string image = "jpg";  // an encoded JPEG or PNG
+  std::string label = "cls";  // the class as decimal text
+  int channels = 0;           // decode to 1 or 3 channels; 0 keeps the stored count
+  int64_t num_classes = 0;    // > 0: a label must be below it
+};
+
+// A classification sample as a LabeledImage: the image decoded, the label
+// parsed. Throws DataError naming the shard and key for a missing field, a
+// label that is not a non-negative decimal number (below num_classes when
+// set), or an image that does not decode.
+LabeledImage decode_class_sample(const ShardSample& sample, const ClassSampleFields& fields = {});
 
 // Writes samples into numbered shards of `samples_per_shard` samples each:
 // `prefix` + 6-digit shard number + ".tar". Members are written in field-name

@@ -22,6 +22,7 @@
 
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
+#include "conveyor/image.h"
 
 namespace conveyor {
 namespace {
@@ -752,6 +753,30 @@ std::vector<std::string> TarShardWriter::close() {
     impl.closed = true;
   }
   return impl.paths;
+}
+
+LabeledImage decode_class_sample(const ShardSample& sample, const ClassSampleFields& fields) {
+  const auto image = sample.fields.find(fields.image);
+  const auto label = sample.fields.find(fields.label);
+  if (image == sample.fields.end() || label == sample.fields.end()) {
+    throw DataError("sample lacks its " +
+                        (image == sample.fields.end() ? fields.image : fields.label) + " field",
+                    sample.shard, sample.key);
+  }
+  const std::string text(label->second.begin(), label->second.end());
+  // At most 18 digits: always fits int64_t, so stoll cannot throw.
+  const bool digits_only =
+      !text.empty() && text.size() <= 18 &&
+      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
+  const int64_t value = digits_only ? std::stoll(text) : -1;
+  if (!digits_only || (fields.num_classes > 0 && value >= fields.num_classes)) {
+    std::string message = "bad class label '" + text + "'";
+    if (fields.num_classes > 0) {
+      message += " (expected 0.." + std::to_string(fields.num_classes - 1) + ")";
+    }
+    throw DataError(message, sample.shard, sample.key);
+  }
+  return {decode_image(image->second, sample.shard + ":" + sample.key, fields.channels), value};
 }
 
 }  // namespace conveyor

@@ -2,6 +2,7 @@
 
 #include <conveyor/data_loader.h>
 #include <conveyor/generator.h>
+#include <conveyor/image.h>
 #include <conveyor/tar_shards.h>
 
 #include <stdlib.h>
@@ -842,6 +843,78 @@ TEST(TarShardErrors, RaiseReachesTheLoaderConsumerAsWorkerError) {
       EXPECT_EQ(original.file(), missing);
     }
   }
+}
+
+// ---- decode_class_sample ----------------------------------------------------
+
+ShardSample class_sample(Fields fields) {
+  return {"000042", "/data/train-000003.tar", std::move(fields)};
+}
+
+// A 2x3 grey image whose pixels are 10 * (row + 1) + column, as PNG (lossless).
+std::vector<uint8_t> small_png() {
+  conveyor::Array<uint8_t> image({1, 2, 3});
+  for (int64_t i = 0; i < 6; ++i) image.data()[i] = static_cast<uint8_t>(10 * (i / 3 + 1) + i % 3);
+  return conveyor::encode_png(image);
+}
+
+// The DataError's message, or a failure if `f` returns or throws another type.
+template <class F>
+std::string data_error_of(F f) {
+  try {
+    f();
+  } catch (const DataError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no DataError";
+  return {};
+}
+
+TEST(DecodeClassSample, DecodesTheImageAndParsesTheLabel) {
+  const conveyor::LabeledImage sample =
+      conveyor::decode_class_sample(class_sample({{"jpg", small_png()}, {"cls", text("7")}}));
+  EXPECT_EQ(sample.label, 7);
+  ASSERT_EQ(sample.image.shape(), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(std::vector<uint8_t>(sample.image.data(), sample.image.data() + 6),
+            (std::vector<uint8_t>{10, 11, 12, 20, 21, 22}));
+  // Other field names, and three channels on request.
+  conveyor::ClassSampleFields fields;
+  fields.image = "png";
+  fields.label = "target";
+  fields.channels = 3;
+  const conveyor::LabeledImage rgb = conveyor::decode_class_sample(
+      class_sample({{"png", small_png()}, {"target", text("123")}}), fields);
+  EXPECT_EQ(rgb.label, 123);
+  EXPECT_EQ(rgb.image.shape(), (std::vector<int64_t>{3, 2, 3}));
+}
+
+TEST(DecodeClassSample, BadSamplesNameTheShardKeyAndProblem) {
+  const auto decode = [](Fields fields, int64_t num_classes = 0) {
+    return data_error_of([&] {
+      conveyor::ClassSampleFields options;
+      options.num_classes = num_classes;
+      conveyor::decode_class_sample(class_sample(std::move(fields)), options);
+    });
+  };
+  const std::string no_label = decode({{"jpg", small_png()}});
+  EXPECT_NE(no_label.find("lacks its cls field"), std::string::npos) << no_label;
+  EXPECT_NE(no_label.find("/data/train-000003.tar"), std::string::npos) << no_label;
+  EXPECT_NE(no_label.find("000042"), std::string::npos) << no_label;
+  EXPECT_NE(decode({{"cls", text("1")}}).find("lacks its jpg field"), std::string::npos);
+  for (const char* label : {"", "-1", "3a", " 3", "3\n", "1e3", "99999999999999999999"}) {
+    const std::string message = decode({{"jpg", small_png()}, {"cls", text(label)}});
+    EXPECT_NE(message.find("bad class label '" + std::string(label) + "'"), std::string::npos)
+        << message;
+  }
+  const std::string too_big = decode({{"jpg", small_png()}, {"cls", text("10")}}, 10);
+  EXPECT_NE(too_big.find("bad class label '10' (expected 0..9)"), std::string::npos) << too_big;
+  EXPECT_NO_THROW(
+      conveyor::decode_class_sample(class_sample({{"jpg", small_png()}, {"cls", text("9")}}),
+                                    {.channels = 0, .num_classes = 10}));
+  std::vector<uint8_t> truncated = small_png();
+  truncated.resize(truncated.size() / 2);
+  const std::string corrupt = decode({{"jpg", truncated}, {"cls", text("1")}});
+  EXPECT_NE(corrupt.find("/data/train-000003.tar:000042"), std::string::npos) << corrupt;
 }
 
 }  // namespace

@@ -195,4 +195,37 @@ void BM_QueueMutexDeque(benchmark::State& state) {
 }
 BENCHMARK(BM_QueueMutexDeque)->UseRealTime()->MinTime(0.5);
 
+// The machine's floor for any hand-off: one cache line bounced between the
+// benchmark thread and another, both spinning. An iteration is a round trip
+// (two one-way transfers), the least a batch can cost that crosses to a
+// worker and back; the hand-off above is judged against it in the same run.
+void BM_CacheLineRoundTrip(benchmark::State& state) {
+  alignas(64) std::atomic<uint64_t> turn{0};
+  constexpr uint64_t kStop = UINT64_MAX;
+  std::thread echo([&] {
+    uint64_t seen = 0;
+    while (true) {
+      // Acquire/release: each side's store hands the line, and the turn, to
+      // the other; nothing else is shared.
+      const uint64_t now = turn.load(std::memory_order_acquire);
+      if (now == kStop) return;
+      if (now != seen && (now & 1) == 1) {
+        seen = now + 1;
+        turn.store(seen, std::memory_order_release);
+      }
+    }
+  });
+  uint64_t next = 1;
+  for (auto _ : state) {
+    turn.store(next, std::memory_order_release);
+    while (turn.load(std::memory_order_acquire) != next + 1) {
+    }
+    next += 2;
+  }
+  turn.store(kStop, std::memory_order_release);
+  echo.join();
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_CacheLineRoundTrip)->UseRealTime()->MinTime(0.5);
+
 }  // namespace

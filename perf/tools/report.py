@@ -426,7 +426,7 @@ class Report:
 
 def microbench_table(directory):
     """Medians of the Google Benchmark runs run_all leaves beside results.json."""
-    rows = []
+    rows, medians = [], {}
     for name in ("microbench_engine.json", "microbench_core.json"):
         path = os.path.join(directory or ".", name)
         if not os.path.exists(path):
@@ -441,12 +441,19 @@ def microbench_table(directory):
                     else f"{b['items_per_second']:,.0f} items/s" if "items_per_second" in b else "")
             switches = f"{b['ctx_switches/batch']:.4f}" if "ctx_switches/batch" in b else ""
             rows.append(f"| {label} | {b['real_time']:,.1f} {b.get('time_unit', 'ns')} | {rate} | {switches} |")
+            medians[label] = b["real_time"]
     if not rows:
         return []
-    return ["## Microbenchmarks (Google Benchmark, median of 3 repetitions)", "",
-            "Per item: a batch for the handoff and loader, an element for the queues, "
-            "a 256-sample batch for collate and memcpy.", "",
-            "| benchmark | time per item | rate | context switches per batch |", "|---|---|---|---|"] + rows + [""]
+    out = ["## Microbenchmarks (Google Benchmark, median of 3 repetitions)", "",
+           "Per item: a batch for the handoff and loader, an element for the queues, a round trip for the "
+           "cache line, a 256-sample batch for collate and memcpy.", "",
+           "| benchmark | time per item | rate | context switches per batch |", "|---|---|---|---|"] + rows + [""]
+    handoff = medians.get("BM_WindowHandoff/workers:1/prefetch:8/stealing:0")
+    floor = medians.get("BM_CacheLineRoundTrip")
+    if handoff and floor:
+        out += [f"Window hand-off (W=1, prefetch 8) / one cache line's round trip between two threads: "
+                f"{handoff:,.0f} / {floor:,.0f} ns = {handoff / floor:.2f}x (a batch goes to a worker and back).", ""]
+    return out
 
 
 def main():

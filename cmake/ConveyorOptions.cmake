@@ -1,7 +1,13 @@
 # Warnings for conveyor's own targets, and the sanitizer build switch.
 
+# -Werror only with CONVEYOR_WARNINGS_AS_ERRORS (on when conveyor is the
+# top-level project): a newer compiler's new warning must not break the build
+# of a project that includes conveyor with add_subdirectory().
 function(conveyor_warnings target)
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Werror)
+  target_compile_options(${target} PRIVATE -Wall -Wextra)
+  if(CONVEYOR_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
 endfunction()
 
 if(CONVEYOR_SANITIZE STREQUAL "thread")

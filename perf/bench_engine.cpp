@@ -14,7 +14,7 @@
 #include <conveyor/conveyor.h>
 #include <conveyor/detail/engine.h>
 
-#include <concurrentqueue/concurrentqueue.h>
+#include <concurrentqueue.h>
 
 #include <atomic>
 #include <cstdint>

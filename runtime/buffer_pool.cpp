@@ -10,7 +10,7 @@
 // enqueue/dequeue (release/acquire inside the queue).
 #include "conveyor/detail/buffer_pool.h"
 
-#include <concurrentqueue/concurrentqueue.h>
+#include <concurrentqueue.h>
 
 #include <array>
 #include <atomic>

@@ -28,8 +28,8 @@
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_group.h>
 
-#include <concurrentqueue/concurrentqueue.h>
-#include <concurrentqueue/lightweightsemaphore.h>
+#include <concurrentqueue.h>
+#include <lightweightsemaphore.h>
 
 #include <algorithm>
 #include <atomic>

@@ -2,7 +2,7 @@
 // copy stream is one thread doing memcpy in order, completing events as it
 // reaches them. Lets CI (no GPU) exercise ordering, overlap, buffer recycling
 // and shutdown of the transfer stage.
-#include <concurrentqueue/blockingconcurrentqueue.h>
+#include <blockingconcurrentqueue.h>
 
 #include <atomic>
 #include <cstring>

@@ -6,7 +6,7 @@
 // shared mutable state here: a moodycamel queue.
 #include "conveyor/cuda.h"
 
-#include <concurrentqueue/concurrentqueue.h>
+#include <concurrentqueue.h>
 #include <cuda_runtime_api.h>
 
 #include <string>

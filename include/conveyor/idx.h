@@ -20,9 +20,14 @@ namespace conveyor {
 class IdxFile {
  public:
   // Reads `path`; gzip is recognised by its magic bytes. Throws DataError
-  // naming the file for a missing or unreadable file, a truncated or garbled
+  // naming the file for a missing or unreadable file, one that is not a
+  // regular file (a device, a FIFO, a directory), a truncated or garbled
   // gzip stream, a wrong IDX magic, an unsupported element type, or a size
-  // that does not match the dimensions.
+  // that does not match the dimensions. A gzip stream is inflated no further
+  // than the size its IDX header declares (plus one byte, to see that it
+  // goes on), so memory follows the header and what really decompresses,
+  // not the compression ratio. A file too big for the memory left is a
+  // DataError naming it as well.
   static IdxFile open(const std::string& path);
   // The same from bytes in memory (raw or gzip'd); `name` is used in errors.
   static IdxFile parse(std::span<const uint8_t> bytes, const std::string& name);

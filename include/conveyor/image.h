@@ -22,6 +22,11 @@
 //   stray restart marker) is a DataError, although libjpeg only warns and
 //   fills the gap with grey. Extra bytes just before the end marker are
 //   tolerated: the image is complete, and PIL and torchvision read such files.
+// - An image whose header declares more than max_image_pixels() pixels is a
+//   DataError, raised before any of its memory is allocated (see below).
+// - Decoding throws only conveyor errors: running out of memory (or any other
+//   failure inside a decoder) is a DataError naming the image too, so that
+//   OnError::skip skips it.
 // All functions are thread-safe.
 #pragma once
 
@@ -46,14 +51,35 @@ struct ImageInfo {
   int channels = 0;  // as stored: 1 or 3 (PNG alpha is dropped when decoding)
 };
 
-// Reads the header only. Throws DataError naming `name` for anything that is
-// not a readable JPEG or PNG.
+// The decompression-bomb guard, like Pillow's Image.MAX_IMAGE_PIXELS: a few
+// hundred bytes of JPEG or PNG can declare 40000 x 40000 pixels (4.8 GB as
+// RGB) or more. decode_image and decode_image_into refuse an image whose
+// header declares more than max_image_pixels() pixels (width * height) with
+// a DataError naming the image, before allocating anything for its pixels.
+// The limit is process-wide, as Pillow's is; set_max_image_pixels() changes
+// it for every thread (decodes already past their header keep the old one);
+// 0 means no limit. Thread-safe.
+//
+// The default is Pillow's: Pillow warns above 89,478,485 pixels (a quarter
+// GiB of RGB) and raises DecompressionBombError above twice that,
+// 178,956,970, so conveyor decodes what Pillow opens and refuses what it
+// refuses. Decoding at the limit costs 512 MiB of RGB output (and as much
+// again of scratch memory for colour conversion).
+inline constexpr uint64_t kDefaultMaxImagePixels = 178'956'970;
+void set_max_image_pixels(uint64_t pixels) noexcept;
+uint64_t max_image_pixels() noexcept;
+
+// Reads the header only, allocating nothing for the pixels, so it reports
+// images over max_image_pixels() too (their decode is what is refused).
+// Throws DataError naming `name` for anything that is not a readable JPEG or
+// PNG.
 ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& name);
 
 // Decodes into `out`, which must hold channels * height * width bytes, laid
 // out [C, H, W]. `channels` 0 keeps the stored count; 1 or 3 converts.
-// Throws DataError naming `name` for corrupt or truncated data, and
-// ValueError if `out` has the wrong size or `channels` is not 0, 1 or 3.
+// Throws DataError naming `name` for corrupt or truncated data or an image
+// over max_image_pixels(), and ValueError if `out` has the wrong size or
+// `channels` is not 0, 1 or 3.
 // Returns what was decoded: the size, and the channel count written to `out`.
 ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
                             const std::string& name, int channels = 0);
@@ -61,6 +87,11 @@ ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> o
 // Decodes into a new Array [C, H, W] (memory from allocate_batch_buffer()).
 Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name,
                             int channels = 0);
+// The same for an image that is one member of a container, e.g. a tar
+// shard's sample: errors name `file` (DataError::file()) and `member`
+// (DataError::member()) apart.
+Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& file,
+                            const std::string& member, int channels);
 
 // Encodes an [C, H, W] image (C = 1 or 3). Throws ValueError for other shapes
 // (and for a quality outside [1, 100]). JPEG uses 4:2:0 chroma subsampling

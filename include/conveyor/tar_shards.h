@@ -29,8 +29,16 @@ struct ShardSample {
   std::map<std::string, std::vector<uint8_t>> fields;  // extension -> bytes ("jpg", "cls")
 };
 
+// TarShardOptions::max_sample_bytes's default: 1 GiB, far above any image,
+// audio clip or caption (ImageNet's largest JPEG is about 15 MB), yet small
+// enough that one corrupt or hostile header cannot claim the machine. Shards
+// of long videos raise it.
+inline constexpr uint64_t kDefaultMaxSampleBytes = uint64_t{1} << 30;
+
 struct TarShardOptions {
-  std::vector<std::string> shards;  // paths; see expand_shard_pattern()
+  // Paths; see expand_shard_pattern(). Each must name a regular file: a
+  // device, a FIFO or a directory is a DataError when its turn comes.
+  std::vector<std::string> shards;
   // Reshuffle the shard order every epoch (Generator(seed + epoch), the same
   // on every rank), before shards are split across ranks and workers.
   bool shuffle_shards = false;
@@ -48,6 +56,11 @@ struct TarShardOptions {
   // the member and the sample. skip: it is dropped and counted in skipped()
   // (a truncated shard: its remaining samples are lost and counted as one).
   OnError on_error = OnError::raise;
+  // The most bytes one sample's members may hold together (0: no limit). A
+  // reader holds one sample at a time (plus the shuffle buffer's), so this
+  // bounds its memory whatever sizes the tar headers claim. A sample over it
+  // is a DataError, raised from the member's header before its data is read.
+  uint64_t max_sample_bytes = kDefaultMaxSampleBytes;
 };
 
 // An IterableDataset over tar shards. Each replica (one per worker) reads its
@@ -77,9 +90,11 @@ class TarShardDataset final : public IterableDataset<ShardSample> {
 // grouping and checking it as TarShardDataset does. raise: the first error
 // throws DataError; skip: bad samples are dropped (a truncated or corrupt
 // shard ends there) and each drop is added to *skipped when it is given.
+// max_sample_bytes as in TarShardOptions.
 std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::string& name,
                                     const std::vector<std::string>& required_fields,
-                                    OnError on_error = OnError::raise, uint64_t* skipped = nullptr);
+                                    OnError on_error = OnError::raise, uint64_t* skipped = nullptr,
+                                    uint64_t max_sample_bytes = kDefaultMaxSampleBytes);
 
 // "dir/train-{000000..000011}.tar" -> the 12 paths (zero padding kept); a
 // pattern without braces is returned as the one path, and several ranges
@@ -96,9 +111,10 @@ struct ClassSampleFields {
 };
 
 // A classification sample as a LabeledImage: the image decoded, the label
-// parsed. Throws DataError naming the shard and key for a missing field, a
-// label that is not a non-negative decimal number (below num_classes when
-// set), or an image that does not decode.
+// parsed. Throws DataError naming the shard (file()) and key (member()) for
+// a missing field, a label that is not a non-negative decimal number (below
+// num_classes when set), or an image that does not decode, including one
+// over max_image_pixels() (conveyor/image.h).
 LabeledImage decode_class_sample(const ShardSample& sample, const ClassSampleFields& fields = {});
 
 // Writes samples into numbered shards of `samples_per_shard` samples each:

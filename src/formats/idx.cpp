@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <new>
 #include <system_error>
 #include <utility>
 
@@ -83,7 +84,8 @@ bool is_gzip(std::span<const uint8_t> bytes) {
 
 // What to allocate before inflating: the ISIZE trailer of the last member
 // (the uncompressed size mod 2^32) when it is plausible, else a guess. Only
-// a hint; the output grows when it is wrong.
+// a hint; the output grows when it is wrong, and never past what the IDX
+// header declares.
 size_t initial_output_size(std::span<const uint8_t> compressed) {
   const uint64_t ceiling = static_cast<uint64_t>(compressed.size()) * kMaxTrustedRatio;
   uint64_t hint = static_cast<uint64_t>(compressed.size()) * 4;
@@ -93,89 +95,123 @@ size_t initial_output_size(std::span<const uint8_t> compressed) {
            static_cast<uint64_t>(isize[2]) << 16 | static_cast<uint64_t>(isize[3]) << 24;
   }
   hint = std::min(hint, ceiling);
-  // One spare byte: with room left after the last byte, inflate goes on to
-  // read the trailer and reports Z_STREAM_END instead of asking for more room.
+  // One spare byte: the reader asks for one byte past the declared size to
+  // see whether the data goes on, so an exact hint would regrow at the end.
   return static_cast<size_t>(std::max<uint64_t>(hint + 1, kMinimumOutputBytes));
 }
 
-// Frees the inflate state however the function below leaves.
-struct InflateGuard {
-  z_stream* stream;
-  ~InflateGuard() { inflateEnd(stream); }
-};
-
-// Decompresses a whole gzip file at once. Concatenated gzip members (what
-// `cat a.gz b.gz` makes) are supported, as gzip(1) and Python's gzip module
-// read them: their contents are joined. Anything else after a member, even
-// zero padding, is rejected as trailing garbage.
-std::vector<uint8_t> gunzip(std::span<const uint8_t> compressed, const std::string& name) {
-  z_stream stream{};
-  // 16 + MAX_WBITS: a gzip wrapper only; zlib then checks each member's CRC32
-  // and ISIZE itself ("incorrect data check", "incorrect length check").
-  if (inflateInit2(&stream, 16 + MAX_WBITS) != Z_OK) {
-    throw DataError("cannot start gzip decompression (zlib: out of memory)", name);
-  }
-  InflateGuard guard{&stream};
-
-  std::vector<uint8_t> output(initial_output_size(compressed));
-  size_t consumed = 0;  // input bytes handed to zlib so far
-  size_t produced = 0;  // output bytes written so far
-  // z_stream counts in uInt (32 bits): feed and drain in chunks at most that big.
-  constexpr size_t kMaxChunk = std::numeric_limits<uInt>::max();
-  for (;;) {
-    if (stream.avail_in == 0 && consumed < compressed.size()) {
-      const size_t chunk = std::min(compressed.size() - consumed, kMaxChunk);
-      stream.next_in = const_cast<Bytef*>(compressed.data() + consumed);  // zlib does not write it
-      stream.avail_in = static_cast<uInt>(chunk);
-      consumed += chunk;
+// Inflates a gzip file a piece at a time, so that the caller can stop at the
+// size the data should have: the output grows with what really decompresses
+// (from the trailer's hint, doubling), never past the limit asked for, and
+// the compressed bytes after that are never inflated. Concatenated gzip
+// members (what `cat a.gz b.gz` makes) are joined, as gzip(1) and Python's
+// gzip module read them; anything else after a member, even zero padding, is
+// rejected as trailing garbage.
+class GzipReader {
+ public:
+  GzipReader(std::span<const uint8_t> compressed, const std::string& name)
+      : compressed_(compressed), name_(name), first_output_size_(initial_output_size(compressed)) {
+    // 16 + MAX_WBITS: a gzip wrapper only; zlib then checks each member's
+    // CRC32 and ISIZE itself ("incorrect data check", "incorrect length check").
+    if (inflateInit2(&stream_, 16 + MAX_WBITS) != Z_OK) {
+      throw DataError("cannot start gzip decompression (zlib: out of memory)", name);
     }
-    if (produced == output.size()) output.resize(output.size() * 2);
-    const size_t room = std::min(output.size() - produced, kMaxChunk);
-    stream.next_out = output.data() + produced;
-    stream.avail_out = static_cast<uInt>(room);
+  }
+  ~GzipReader() { inflateEnd(&stream_); }
+  GzipReader(const GzipReader&) = delete;
+  GzipReader& operator=(const GzipReader&) = delete;
 
-    const int status = inflate(&stream, Z_NO_FLUSH);
-    produced += room - stream.avail_out;
-    const size_t input_left = stream.avail_in + (compressed.size() - consumed);
-
-    if (status == Z_STREAM_END) {
-      if (input_left == 0) break;
-      const uint8_t* next = stream.next_in;
-      if (stream.avail_in == 0) next = compressed.data() + consumed;  // at a chunk boundary
-      if (input_left >= 2 && next[0] == kGzipMagic0 && next[1] == kGzipMagic1) {
-        inflateReset(&stream);  // another member: keeps next_in/avail_in
-        continue;
+  // Inflates until `limit` bytes are out in all or the last member has ended
+  // (with every member's CRC32 and length checked). Throws DataError for a
+  // corrupt or truncated stream and for trailing garbage.
+  void inflate_to(size_t limit) {
+    // z_stream counts in uInt (32 bits): feed and drain in chunks at most that big.
+    constexpr size_t kMaxChunk = std::numeric_limits<uInt>::max();
+    while (!ended_ && produced_ < limit) {
+      if (stream_.avail_in == 0 && consumed_ < compressed_.size()) {
+        const size_t chunk = std::min(compressed_.size() - consumed_, kMaxChunk);
+        // zlib does not write through next_in.
+        stream_.next_in = const_cast<Bytef*>(compressed_.data() + consumed_);
+        stream_.avail_in = static_cast<uInt>(chunk);
+        consumed_ += chunk;
       }
-      throw DataError("corrupt gzip stream: " + std::to_string(input_left) +
-                          " bytes of trailing garbage after the end of the compressed data",
-                      name);
-    }
-    if (status == Z_DATA_ERROR || status == Z_NEED_DICT) {
-      const std::string reason = stream.msg != nullptr ? stream.msg : "invalid deflate data";
-      throw DataError("corrupt gzip stream (zlib: " + reason + ") after " +
-                          std::to_string(compressed.size() - input_left) + " of " +
-                          std::to_string(compressed.size()) + " compressed bytes",
-                      name);
-    }
-    if (status == Z_MEM_ERROR) {
-      throw DataError("gzip decompression ran out of memory", name);
-    }
-    // Z_OK or Z_BUF_ERROR: inflate stopped because it ran out of input or of
-    // room. Out of room is handled at the top of the loop; out of input,
-    // with all of it fed, means the stream ends early.
-    if (stream.avail_out != 0 && input_left == 0) {
-      throw DataError("truncated gzip stream: the compressed data ends after " +
-                          std::to_string(produced) +
-                          " decompressed bytes, before the end of the gzip member",
-                      name);
+      if (produced_ == output_.size()) grow(limit);
+      // Never more room than `limit` leaves: produced_ stays <= limit, and
+      // avail_out == 0 below means exactly "the limit is reached".
+      const size_t room = std::min({output_.size() - produced_, limit - produced_, kMaxChunk});
+      stream_.next_out = output_.data() + produced_;
+      stream_.avail_out = static_cast<uInt>(room);
+
+      const int status = inflate(&stream_, Z_NO_FLUSH);
+      produced_ += room - stream_.avail_out;
+      const size_t input_left = stream_.avail_in + (compressed_.size() - consumed_);
+
+      if (status == Z_STREAM_END) {
+        if (input_left == 0) {
+          ended_ = true;
+          break;
+        }
+        const uint8_t* next = stream_.next_in;
+        if (stream_.avail_in == 0) next = compressed_.data() + consumed_;  // at a chunk boundary
+        if (input_left >= 2 && next[0] == kGzipMagic0 && next[1] == kGzipMagic1) {
+          inflateReset(&stream_);  // another member: keeps next_in/avail_in
+          continue;
+        }
+        throw DataError("corrupt gzip stream: " + std::to_string(input_left) +
+                            " bytes of trailing garbage after the end of the compressed data",
+                        name_);
+      }
+      if (status == Z_DATA_ERROR || status == Z_NEED_DICT) {
+        const std::string reason = stream_.msg != nullptr ? stream_.msg : "invalid deflate data";
+        throw DataError("corrupt gzip stream (zlib: " + reason + ") after " +
+                            std::to_string(compressed_.size() - input_left) + " of " +
+                            std::to_string(compressed_.size()) + " compressed bytes",
+                        name_);
+      }
+      if (status == Z_MEM_ERROR) throw DataError("gzip decompression ran out of memory", name_);
+      // Z_OK or Z_BUF_ERROR: inflate stopped because it ran out of input or
+      // of room. Out of room is the loop's condition or a grow; out of
+      // input, with all of it fed, means the stream ends early.
+      if (stream_.avail_out != 0 && input_left == 0) {
+        throw DataError("truncated gzip stream: the compressed data ends after " +
+                            std::to_string(produced_) +
+                            " decompressed bytes, before the end of the gzip member",
+                        name_);
+      }
     }
   }
-  output.resize(produced);
-  // A wrong ISIZE hint (corrupt, or only the last of several members) or the
-  // last doubling can leave much spare room; give a large excess back.
-  if (output.capacity() - output.size() > output.size() / 4) output.shrink_to_fit();
-  return output;
-}
+
+  size_t produced() const noexcept { return produced_; }
+  std::span<const uint8_t> output() const noexcept { return {output_.data(), produced_}; }
+
+  // The decompressed bytes, without spare room.
+  std::vector<uint8_t> take() {
+    output_.resize(produced_);
+    // A wrong size hint can leave much spare room; give a large excess back.
+    if (output_.capacity() - output_.size() > output_.size() / 4) output_.shrink_to_fit();
+    return std::move(output_);
+  }
+
+ private:
+  // Room for more output: the trailer's hint at first, then doubling, capped
+  // at `limit`, so a header that declares terabytes over a small stream
+  // costs only what the stream really holds.
+  void grow(size_t limit) {
+    const size_t doubled = output_.size() > limit / 2 ? limit : output_.size() * 2;
+    const size_t size = std::min(limit, std::max(doubled, first_output_size_));
+    output_.reserve(size);  // exactly: resize alone may take up to twice the old size
+    output_.resize(size);
+  }
+
+  std::span<const uint8_t> compressed_;
+  const std::string& name_;
+  size_t first_output_size_;
+  z_stream stream_{};
+  std::vector<uint8_t> output_;
+  size_t consumed_ = 0;  // input bytes handed to zlib so far
+  size_t produced_ = 0;  // output bytes written so far
+  bool ended_ = false;
+};
 
 // strerror's text, without strerror's shared buffer.
 std::string os_reason(int error_number) { return std::generic_category().message(error_number); }
@@ -188,15 +224,39 @@ struct FileDescriptor {
   }
 };
 
+// What a file that is not a regular one is, for the error that refuses it.
+std::string file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "file type " + std::to_string(mode & S_IFMT);
+}
+
+// Reads a whole regular file. Anything else is refused before a byte is
+// read: /dev/zero or /dev/urandom would never end, a FIFO could hang, and
+// none has a size to check the data against. O_NONBLOCK keeps open() from
+// waiting for a FIFO's writer; fstat of the descriptor, not the path, checks
+// the very file that is read.
 std::vector<uint8_t> read_file(const std::string& path) {
-  FileDescriptor file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  FileDescriptor file{-1};
+  do {
+    file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  } while (file.fd < 0 && errno == EINTR);
   if (file.fd < 0) throw DataError("cannot open: " + os_reason(errno), path);
   struct stat status {};
   if (::fstat(file.fd, &status) != 0) throw DataError("cannot stat: " + os_reason(errno), path);
-  if (S_ISDIR(status.st_mode)) throw DataError("cannot read: " + os_reason(EISDIR), path);
-  // Sized from fstat with a spare byte, so the end of a regular file is seen
-  // without growing; pipes and files that grow meanwhile still read whole.
-  const size_t expected = S_ISREG(status.st_mode) ? static_cast<size_t>(status.st_size) : 0;
+  if (!S_ISREG(status.st_mode)) {
+    throw DataError("not a regular file (" + file_type_name(status.st_mode) + ")", path);
+  }
+  const int flags = ::fcntl(file.fd, F_GETFL);
+  if (flags < 0 || ::fcntl(file.fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    throw DataError("cannot clear O_NONBLOCK: " + os_reason(errno), path);
+  }
+  // Sized from fstat with a spare byte, so the end of the file is seen
+  // without growing; a file that grows meanwhile still reads whole.
+  const size_t expected = static_cast<size_t>(status.st_size);
   std::vector<uint8_t> contents(std::max<size_t>(expected + 1, kMinimumOutputBytes));
   size_t filled = 0;
   for (;;) {
@@ -218,12 +278,26 @@ uint32_t read_big_endian_u32(const uint8_t* bytes) {
          static_cast<uint32_t>(bytes[2]) << 8 | static_cast<uint32_t>(bytes[3]);
 }
 
-}  // namespace
+// What an IDX header says.
+struct IdxHeader {
+  uint8_t type_code = 0;
+  std::vector<int64_t> dims;
+  size_t header_bytes = 0;  // the magic and the dimensions
+  size_t item_bytes = 0;
+  size_t data_bytes = 0;  // all items; header_bytes + data_bytes + 1 fits in size_t
 
-// Validates the header of the decompressed file in `buffer` and takes it over.
-IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
-                             const std::string& name) {
-  const std::vector<uint8_t>& bytes = *buffer;
+  // "dimensions [3, 2, 4] of unsigned byte (0x08) need 24 data bytes"
+  std::string data_needed() const {
+    return "IDX dimensions " + shape_string(dims) + " of " + type_name(type_code) + " need " +
+           std::to_string(data_bytes) + " data bytes";
+  }
+};
+
+// Validates the header at the start of `bytes` (which may hold more, or
+// only the header) and returns it. Throws DataError naming `name` for a
+// short, wrong or unsupported header, and for dimensions whose size
+// overflows.
+IdxHeader read_idx_header(std::span<const uint8_t> bytes, const std::string& name) {
   if (bytes.size() < kIdxMagicBytes) {
     throw DataError("not an IDX file: " + std::to_string(bytes.size()) +
                         " bytes, too short for the 4-byte IDX magic",
@@ -234,10 +308,11 @@ IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
                         hex_byte(bytes[1]) + ", expected 0x00 0x00",
                     name);
   }
-  const uint8_t type_code = bytes[2];
-  const size_t element_bytes = element_size(type_code);
+  IdxHeader header;
+  header.type_code = bytes[2];
+  const size_t element_bytes = element_size(header.type_code);
   if (element_bytes == 0) {
-    throw DataError("unsupported IDX element type " + hex_byte(type_code) +
+    throw DataError("unsupported IDX element type " + hex_byte(header.type_code) +
                         " (known: 0x08 unsigned byte, 0x09 signed byte, 0x0B int16, "
                         "0x0C int32, 0x0D float32, 0x0E float64)",
                     name);
@@ -246,68 +321,115 @@ IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
   if (dimension_count == 0) {
     throw DataError("IDX header declares 0 dimensions; an IDX file needs at least one", name);
   }
-  const size_t header_bytes = kIdxMagicBytes + dimension_count * kDimensionBytes;
-  if (bytes.size() < header_bytes) {
+  header.header_bytes = kIdxMagicBytes + dimension_count * kDimensionBytes;
+  if (bytes.size() < header.header_bytes) {
     throw DataError("truncated IDX header: " + std::to_string(dimension_count) +
-                        " dimensions need a " + std::to_string(header_bytes) +
+                        " dimensions need a " + std::to_string(header.header_bytes) +
                         "-byte header, but the file has " + std::to_string(bytes.size()) + " bytes",
                     name);
   }
 
-  std::vector<int64_t> dims(dimension_count);
+  header.dims.resize(dimension_count);
   for (size_t d = 0; d < dimension_count; ++d) {
-    dims[d] = read_big_endian_u32(bytes.data() + kIdxMagicBytes + d * kDimensionBytes);
+    header.dims[d] = read_big_endian_u32(bytes.data() + kIdxMagicBytes + d * kDimensionBytes);
   }
   // Products of up to 255 32-bit extents overflow easily; check each step.
+  // The whole file's size plus the one byte a gzip reader reads past it
+  // must fit too.
   size_t item_bytes = element_bytes;
   size_t data_bytes = 0;
   bool overflow = false;
   for (size_t d = 1; d < dimension_count && !overflow; ++d) {
-    overflow = __builtin_mul_overflow(item_bytes, static_cast<size_t>(dims[d]), &item_bytes);
+    overflow = __builtin_mul_overflow(item_bytes, static_cast<size_t>(header.dims[d]), &item_bytes);
   }
   if (!overflow) {
-    overflow = __builtin_mul_overflow(item_bytes, static_cast<size_t>(dims[0]), &data_bytes);
+    overflow =
+        __builtin_mul_overflow(item_bytes, static_cast<size_t>(header.dims[0]), &data_bytes) ||
+        data_bytes > std::numeric_limits<size_t>::max() - header.header_bytes - 1;
   }
   if (overflow) {
-    throw DataError("IDX dimensions " + shape_string(dims) + " of " + type_name(type_code) +
-                        " describe more bytes than can be addressed",
+    throw DataError("IDX dimensions " + shape_string(header.dims) + " of " +
+                        type_name(header.type_code) + " describe more bytes than can be addressed",
                     name);
   }
-  const size_t found_bytes = bytes.size() - header_bytes;
-  if (found_bytes != data_bytes) {
-    const std::string need = "IDX dimensions " + shape_string(dims) + " of " +
-                             type_name(type_code) + " need " + std::to_string(data_bytes) +
-                             " data bytes";
-    if (found_bytes < data_bytes) {
-      throw DataError(
-          "truncated IDX data: " + need + ", but the file has only " + std::to_string(found_bytes),
-          name);
-    }
-    throw DataError(need + ", but the file has " + std::to_string(found_bytes - data_bytes) +
-                        " more (trailing data)",
+  header.item_bytes = item_bytes;
+  header.data_bytes = data_bytes;
+  return header;
+}
+
+// Decompresses a gzip'd IDX file, inflating no more than its header
+// declares: the header first, then the size it gives plus one byte, which
+// tells a longer stream (trailing data, or a gzip bomb of gigabytes behind
+// a small header) from a complete one without inflating the rest. A stream
+// that ends sooner is returned as it is, and from_buffer reports it short.
+std::vector<uint8_t> gunzip_idx(std::span<const uint8_t> compressed, const std::string& name) {
+  GzipReader gzip(compressed, name);
+  gzip.inflate_to(kIdxMagicBytes);
+  if (gzip.produced() == kIdxMagicBytes) {
+    const size_t dimension_count = gzip.output()[3];
+    gzip.inflate_to(kIdxMagicBytes + dimension_count * kDimensionBytes);
+  }
+  const IdxHeader header = read_idx_header(gzip.output(), name);
+  const size_t declared_bytes = header.header_bytes + header.data_bytes;  // cannot overflow
+  gzip.inflate_to(declared_bytes + 1);
+  if (gzip.produced() > declared_bytes) {
+    throw DataError(header.data_needed() + ", " + std::to_string(declared_bytes) +
+                        " bytes with the header, but the gzip stream decompresses to more "
+                        "(trailing data, or a decompression bomb); stopped after " +
+                        std::to_string(gzip.produced()) + " bytes",
+                    name);
+  }
+  return gzip.take();
+}
+
+}  // namespace
+
+// Validates the header of the decompressed file in `buffer` and takes it over.
+IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
+                             const std::string& name) {
+  IdxHeader header = read_idx_header(*buffer, name);
+  const size_t found_bytes = buffer->size() - header.header_bytes;
+  if (found_bytes < header.data_bytes) {
+    throw DataError("truncated IDX data: " + header.data_needed() + ", but the file has only " +
+                        std::to_string(found_bytes),
+                    name);
+  }
+  if (found_bytes > header.data_bytes) {
+    throw DataError(header.data_needed() + ", but the file has " +
+                        std::to_string(found_bytes - header.data_bytes) + " more (trailing data)",
                     name);
   }
 
   IdxFile file;
   file.name_ = name;
-  file.type_code_ = type_code;
-  file.dims_ = std::move(dims);
-  file.item_bytes_ = item_bytes;
+  file.type_code_ = header.type_code;
+  file.dims_ = std::move(header.dims);
+  file.item_bytes_ = header.item_bytes;
   file.buffer_ = std::move(buffer);
-  file.data_offset_ = header_bytes;
+  file.data_offset_ = header.header_bytes;
   return file;
 }
 
 IdxFile IdxFile::open(const std::string& path) {
-  std::vector<uint8_t> contents = read_file(path);
-  if (is_gzip(contents)) contents = gunzip(contents, path);
-  return from_buffer(std::make_shared<std::vector<uint8_t>>(std::move(contents)), path);
+  try {
+    std::vector<uint8_t> contents = read_file(path);
+    if (is_gzip(contents)) contents = gunzip_idx(contents, path);
+    return from_buffer(std::make_shared<std::vector<uint8_t>>(std::move(contents)), path);
+  } catch (const std::bad_alloc&) {
+    // A file that really is bigger than memory: still an error naming it.
+    throw DataError("out of memory reading the file (std::bad_alloc)", path);
+  }
 }
 
 IdxFile IdxFile::parse(std::span<const uint8_t> bytes, const std::string& name) {
-  auto buffer = is_gzip(bytes) ? std::make_shared<std::vector<uint8_t>>(gunzip(bytes, name))
-                               : std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
-  return from_buffer(std::move(buffer), name);
+  try {
+    auto buffer = is_gzip(bytes)
+                      ? std::make_shared<std::vector<uint8_t>>(gunzip_idx(bytes, name))
+                      : std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    return from_buffer(std::move(buffer), name);
+  } catch (const std::bad_alloc&) {
+    throw DataError("out of memory reading the file (std::bad_alloc)", name);
+  }
 }
 
 std::span<const uint8_t> IdxFile::item(size_t index) const {

@@ -9,9 +9,12 @@
 #include <turbojpeg.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <new>
 #include <span>
 #include <string>
 #include <utility>
@@ -32,8 +35,37 @@ bool starts_with(std::span<const uint8_t> bytes, const uint8_t (&magic)[N]) {
   return bytes.size() >= N && std::equal(magic, magic + N, bytes.begin());
 }
 
+// Width and height are positive ints: their product fits 62 bits.
 size_t pixel_count(const ImageInfo& info) {
   return static_cast<size_t>(info.width) * static_cast<size_t>(info.height);
+}
+
+// The process-wide limit behind max_image_pixels(). Relaxed is enough: it is
+// one value on its own, publishing nothing else, and a decode that starts
+// while another thread changes it may see either value.
+std::atomic<uint64_t> g_max_image_pixels{kDefaultMaxImagePixels};
+
+// Where an image comes from, for errors: a file, and the member inside it
+// when the image is one part of a container (a tar shard's sample key).
+struct ImageSource {
+  const std::string& file;
+  const std::string& member;
+
+  DataError error(const std::string& what) const { return DataError(what, file, member); }
+};
+
+// Refuses, from the header alone, an image over max_image_pixels(): nothing
+// of its size has been allocated yet.
+void check_pixel_limit(const ImageInfo& info, const ImageSource& source) {
+  const uint64_t limit = g_max_image_pixels.load(std::memory_order_relaxed);
+  const uint64_t pixels = pixel_count(info);
+  if (limit != 0 && pixels > limit) {
+    throw source.error("image of " + std::to_string(info.width) + " x " +
+                       std::to_string(info.height) + " = " + std::to_string(pixels) +
+                       " pixels is over the limit of " + std::to_string(limit) +
+                       " pixels (a decompression bomb?); conveyor::set_max_image_pixels() "
+                       "raises it, 0 lifts it");
+  }
 }
 
 // Scratch memory for interleaved pixels, allocated per call rather than kept
@@ -155,8 +187,8 @@ bool harmless_warning(const std::string& message) {
 
 class JpegDecoder {
  public:
-  JpegDecoder(std::span<const uint8_t> bytes, const std::string& name)
-      : bytes_(bytes), name_(name) {
+  JpegDecoder(std::span<const uint8_t> bytes, const ImageSource& source)
+      : bytes_(bytes), source_(source) {
     tjhandle handle = thread_handle(TurboJpegRole::decompress);
     int width = 0;
     int height = 0;
@@ -171,16 +203,15 @@ class JpegDecoder {
                                             colorspace >= 0 &&
                                             tjGetErrorCode(handle) == TJERR_FATAL;
       std::string reason = take_error_and_discard(TurboJpegRole::decompress);
-      if (!only_unnamed_subsampling) throw DataError("unreadable JPEG header: " + reason, name);
+      if (!only_unnamed_subsampling) throw source.error("unreadable JPEG header: " + reason);
     } else if (width < 1 || height < 1 || colorspace < 0) {
       // TurboJPEG 2.1 returns success, filling in nothing, for a stream
       // with tables but no image, which is also what a header cut short
       // looks like once libjpeg has warned and inserted an end marker.
       const bool warned = tjGetErrorCode(handle) == TJERR_WARNING;
       std::string reason = take_error_and_discard(TurboJpegRole::decompress);
-      throw DataError("unreadable JPEG header: " +
-                          (warned ? reason : std::string("no image in the data (tables only)")),
-                      name);
+      throw source.error("unreadable JPEG header: " +
+                         (warned ? reason : std::string("no image in the data (tables only)")));
     }
     colorspace_ = colorspace;
     info_.width = width;
@@ -228,12 +259,12 @@ class JpegDecoder {
     const bool warning = tjGetErrorCode(handle) == TJERR_WARNING;
     std::string reason = take_error_and_discard(TurboJpegRole::decompress);
     if (warning && harmless_warning(reason)) return;
-    throw DataError((warning ? "truncated or corrupt JPEG: " : "cannot decode JPEG: ") + reason,
-                    name_);
+    throw source_.error((warning ? "truncated or corrupt JPEG: " : "cannot decode JPEG: ") +
+                        reason);
   }
 
   std::span<const uint8_t> bytes_;
-  const std::string& name_;
+  const ImageSource& source_;
   ImageInfo info_;
   int colorspace_ = -1;
 };
@@ -299,12 +330,12 @@ std::vector<uint8_t> without_gamma_chunks(std::span<const uint8_t> png) {
 
 class PngDecoder {
  public:
-  PngDecoder(std::span<const uint8_t> bytes, const std::string& name)
-      : stripped_(without_gamma_chunks(bytes)), name_(name) {
+  PngDecoder(std::span<const uint8_t> bytes, const ImageSource& source)
+      : stripped_(without_gamma_chunks(bytes)), source_(source) {
     // libpng reads the pixels from this memory again in finish_read.
     const std::span<const uint8_t> file = stripped_.empty() ? bytes : stripped_;
     if (png_image_begin_read_from_memory(png_.get(), file.data(), file.size()) == 0) {
-      throw DataError(std::string("unreadable PNG header: ") + png_->message, name);
+      throw source.error(std::string("unreadable PNG header: ") + png_->message);
     }
     // Without gAMA/sRGB, libpng would take 16-bit samples for linear light and
     // gamma-encode them on the way to 8 bits; PIL and torchvision just scale.
@@ -353,37 +384,46 @@ class PngDecoder {
     // No background colour: the formats asked for keep the alpha channel.
     if (png_image_finish_read(png_.get(), /*background=*/nullptr, destination, row_stride,
                               /*colormap=*/nullptr) == 0) {
-      throw DataError(std::string("corrupt PNG data: ") + png_->message, name_);
+      throw source_.error(std::string("corrupt PNG data: ") + png_->message);
     }
   }
 
   std::vector<uint8_t> stripped_;
   PngImage png_;
-  const std::string& name_;
+  const ImageSource& source_;
   ImageInfo info_;
   bool has_alpha_ = false;
 };
 
 // Runs `use(decoder)` with the decoder for the format of `bytes`, its header
-// already read.
+// already read. Only conveyor errors leave: anything else (std::bad_alloc for
+// an image too big for the memory left, a length_error) becomes a DataError
+// naming the image, which OnError::skip can skip.
 template <class Use>
-decltype(auto) with_decoder(std::span<const uint8_t> bytes, const std::string& name, Use&& use) {
-  switch (sniff_image_format(bytes)) {
-    case ImageFormat::jpeg: {
-      JpegDecoder decoder(bytes, name);
-      return use(decoder);
+decltype(auto) with_decoder(std::span<const uint8_t> bytes, const ImageSource& source, Use&& use) {
+  try {
+    switch (sniff_image_format(bytes)) {
+      case ImageFormat::jpeg: {
+        JpegDecoder decoder(bytes, source);
+        return use(decoder);
+      }
+      case ImageFormat::png: {
+        PngDecoder decoder(bytes, source);
+        return use(decoder);
+      }
+      case ImageFormat::unknown:
+        break;
     }
-    case ImageFormat::png: {
-      PngDecoder decoder(bytes, name);
-      return use(decoder);
-    }
-    case ImageFormat::unknown:
-      break;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw source.error("out of memory decoding the image (std::bad_alloc)");
+  } catch (const std::exception& error) {
+    throw source.error(std::string("cannot decode the image: ") + error.what());
   }
-  if (bytes.empty()) throw DataError("empty image data (0 bytes)", name);
-  throw DataError("not a JPEG or PNG image (unrecognised signature, " +
-                      std::to_string(bytes.size()) + " bytes)",
-                  name);
+  if (bytes.empty()) throw source.error("empty image data (0 bytes)");
+  throw source.error("not a JPEG or PNG image (unrecognised signature, " +
+                     std::to_string(bytes.size()) + " bytes)");
 }
 
 // Validated before any parsing, so a bad argument is a ValueError whatever the
@@ -444,14 +484,21 @@ ImageFormat sniff_image_format(std::span<const uint8_t> bytes) noexcept {
 }
 
 ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& name) {
-  return with_decoder(bytes, name, [](auto& decoder) { return decoder.info(); });
+  const std::string no_member;
+  return with_decoder(bytes, ImageSource{name, no_member},
+                      [](auto& decoder) { return decoder.info(); });
 }
 
 ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
                             const std::string& name, int channels) {
   check_channels_argument(channels);
-  return with_decoder(bytes, name, [&](auto& decoder) {
+  const std::string no_member;
+  const ImageSource source{name, no_member};
+  return with_decoder(bytes, source, [&](auto& decoder) {
     const ImageInfo& stored = decoder.info();
+    // Before the size check: an image over the limit is bad data, whatever
+    // `out` holds.
+    check_pixel_limit(stored, source);
     const int out_channels = output_channels(channels, stored);
     const size_t expected = static_cast<size_t>(out_channels) * pixel_count(stored);
     if (out.size() != expected) {
@@ -465,16 +512,29 @@ ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> o
   });
 }
 
-Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name, int channels) {
+Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& file,
+                            const std::string& member, int channels) {
   check_channels_argument(channels);
-  return with_decoder(bytes, name, [&](auto& decoder) {
+  const ImageSource source{file, member};
+  return with_decoder(bytes, source, [&](auto& decoder) {
     const ImageInfo& stored = decoder.info();
+    check_pixel_limit(stored, source);
     const int out_channels = output_channels(channels, stored);
     Array<uint8_t> image({out_channels, stored.height, stored.width});
     decoder.decode_into(image.values(), out_channels);
     return image;
   });
 }
+
+Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& name, int channels) {
+  return decode_image(bytes, name, std::string(), channels);
+}
+
+void set_max_image_pixels(uint64_t pixels) noexcept {
+  g_max_image_pixels.store(pixels, std::memory_order_relaxed);
+}
+
+uint64_t max_image_pixels() noexcept { return g_max_image_pixels.load(std::memory_order_relaxed); }
 
 std::vector<uint8_t> encode_jpeg(const Array<uint8_t>& image, int quality) {
   if (quality < 1 || quality > 100) {

@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <limits>
+#include <new>
 #include <numeric>
 #include <set>
 #include <system_error>
@@ -37,6 +39,16 @@ constexpr time_t kFixedMtime = 0;
 constexpr size_t kMaxExpandedPaths = 10'000'000;
 
 std::string error_text(int error_number) { return std::generic_category().message(error_number); }
+
+// What a file that is not a regular one is, for the error that refuses it.
+std::string file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "file type " + std::to_string(mode & S_IFMT);
+}
 
 // ARCHIVE_WARN still delivers the entry; everything else but OK is a
 // failure. ARCHIVE_RETRY (a damaged header, which libarchive would skip
@@ -73,16 +85,27 @@ class ShardSource {
   ShardSource& operator=(const ShardSource&) = delete;
 
   // Opens `path` for reading. Returns the reason on failure, "" on success.
+  // Only a regular file is a shard: /dev/zero would read as an empty archive
+  // (its zero blocks are tar's end marker), a FIFO with no writer would hang
+  // open(), and neither has a size to bound a member by. O_NONBLOCK keeps
+  // open() from waiting for a FIFO's writer; fstat of the descriptor, not the
+  // path, checks the very file that is read.
   std::string open_file(const std::string& path) {
     do {
-      fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd_ < 0 && errno == EINTR);
     if (fd_ < 0) return "cannot open shard: " + error_text(errno);
-    file_buffer_.resize(kReadBlockBytes);
     struct stat info {};
-    if (::fstat(fd_, &info) == 0 && S_ISREG(info.st_mode)) {
-      size_ = static_cast<uint64_t>(info.st_size);
+    if (::fstat(fd_, &info) != 0) return "cannot stat shard: " + error_text(errno);
+    if (!S_ISREG(info.st_mode)) {
+      return "cannot read shard: not a regular file (" + file_type_name(info.st_mode) + ")";
     }
+    const int flags = ::fcntl(fd_, F_GETFL);
+    if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+      return "cannot clear O_NONBLOCK on shard: " + error_text(errno);
+    }
+    size_ = static_cast<uint64_t>(info.st_size);
+    file_buffer_.resize(kReadBlockBytes);
     return {};
   }
 
@@ -177,6 +200,7 @@ struct Group {
   std::string key;
   int64_t index = 0;  // within the shard
   std::map<std::string, std::vector<uint8_t>> fields;
+  uint64_t bytes = 0;  // of all fields
   bool bad = false;
 };
 
@@ -184,20 +208,45 @@ struct Group {
 // next() throws DataError for a bad sample and can be called again to go on
 // after it; for a bad shard (unreadable, truncated, corrupt) it throws once,
 // failed() turns true and the rest of the shard is dropped. Holds at most one
-// sample's bytes. Not movable: libarchive keeps a pointer to the source.
+// sample's bytes, and at most max_sample_bytes of them (0: no limit). Not
+// movable: libarchive keeps a pointer to the source.
 class ShardReader {
  public:
-  ShardReader(std::string path, const std::vector<std::string>& required_fields)
-      : name_(std::move(path)), from_file_(true), required_fields_(required_fields) {}
+  ShardReader(std::string path, const std::vector<std::string>& required_fields,
+              uint64_t max_sample_bytes)
+      : name_(std::move(path)),
+        from_file_(true),
+        required_fields_(required_fields),
+        max_sample_bytes_(max_sample_bytes) {}
   ShardReader(std::string name, std::span<const uint8_t> bytes,
-              const std::vector<std::string>& required_fields)
-      : name_(std::move(name)), source_(bytes), required_fields_(required_fields) {}
+              const std::vector<std::string>& required_fields, uint64_t max_sample_bytes)
+      : name_(std::move(name)),
+        source_(bytes),
+        required_fields_(required_fields),
+        max_sample_bytes_(max_sample_bytes) {}
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;
 
   bool failed() const noexcept { return failed_; }
 
+  // Only DataError leaves: anything else (std::bad_alloc when memory runs
+  // out, a std::length_error) becomes one naming the shard, so that
+  // OnError::skip can skip it. The reader's state is then unknown, so it
+  // counts as a failure of the whole shard.
   std::optional<ShardSample> next() {
+    try {
+      return next_unchecked();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      fail("out of memory reading the shard (std::bad_alloc)", last_member_, open_sample_index());
+    } catch (const std::exception& error) {
+      fail(std::string("cannot read shard: ") + error.what(), last_member_, open_sample_index());
+    }
+  }
+
+ private:
+  std::optional<ShardSample> next_unchecked() {
     if (failed_) return std::nullopt;
     if (!archive_ && !at_end_) open();
     while (true) {
@@ -220,7 +269,6 @@ class ShardReader {
     }
   }
 
- private:
   [[noreturn]] void fail(const std::string& what, const std::string& member, int64_t sample) {
     failed_ = true;
     archive_.reset();
@@ -326,14 +374,35 @@ class ShardReader {
              member.name);
     }
     if (member.sparse) reject("sparse tar members are not supported", member.name);
-    group_->fields.emplace(member.field, read_data(member));
+    // Refused from the header, before any of its data is read.
+    const auto declared = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
+    if (declared > sample_bytes_left()) reject_oversized(member.name, declared);
+    std::vector<uint8_t> bytes = read_data(member);
+    group_->bytes += bytes.size();
+    group_->fields.emplace(member.field, std::move(bytes));
+  }
+
+  // What the open sample may still take under max_sample_bytes.
+  uint64_t sample_bytes_left() const {
+    if (max_sample_bytes_ == 0) return std::numeric_limits<uint64_t>::max();
+    return max_sample_bytes_ - std::min(max_sample_bytes_, group_->bytes);
+  }
+
+  [[noreturn]] void reject_oversized(const std::string& member, uint64_t member_bytes) {
+    reject("member of " + std::to_string(member_bytes) + " bytes takes sample '" + group_->key +
+               "' (" + std::to_string(group_->bytes) +
+               " bytes before it) over max_sample_bytes = " + std::to_string(max_sample_bytes_) +
+               " (TarShardOptions::max_sample_bytes; 0 lifts the limit)",
+           member);
   }
 
   std::vector<uint8_t> read_data(const Member& member) {
     std::vector<uint8_t> bytes;
-    // The header's size is only a hint: a corrupt one could claim terabytes.
+    // The header's size is only a hint: a corrupt one could claim terabytes,
+    // more than the file holds (a sparse file holds terabytes of zeros).
     uint64_t hint = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
-    hint = std::min<uint64_t>(hint, source_.size().value_or(kReadBlockBytes));
+    hint =
+        std::min<uint64_t>({hint, source_.size().value_or(kReadBlockBytes), sample_bytes_left()});
     bytes.reserve(static_cast<size_t>(hint));
     while (true) {
       const void* block = nullptr;
@@ -347,6 +416,10 @@ class ShardReader {
       }
       if (offset < 0 || static_cast<uint64_t>(offset) != bytes.size()) {
         fail("member data arrives out of order (a sparse member?)", member.name, group_->index);
+      }
+      // The data, too, stays within the limit, whatever the header said.
+      if (size > sample_bytes_left() - bytes.size()) {
+        reject_oversized(member.name, bytes.size() + size);
       }
       if (size > 0) {
         const auto* first = static_cast<const uint8_t*>(block);
@@ -374,6 +447,7 @@ class ShardReader {
   bool from_file_ = false;
   ShardSource source_{std::span<const uint8_t>()};
   std::vector<std::string> required_fields_;
+  uint64_t max_sample_bytes_;
   ReadArchive archive_;  // after source_: freed first
   std::optional<Member> pending_;
   std::optional<Group> group_;
@@ -388,13 +462,13 @@ class ShardReader {
 // through a WebDataset shuffle buffer.
 class TarShardIterator final : public SampleIterator<ShardSample> {
  public:
-  TarShardIterator(std::vector<std::string> shards, std::vector<std::string> required_fields,
-                   OnError on_error, size_t shuffle_buffer,
+  TarShardIterator(std::vector<std::string> shards, const TarShardOptions& options,
                    std::shared_ptr<std::atomic<uint64_t>> skipped)
       : shards_(std::move(shards)),
-        required_fields_(std::move(required_fields)),
-        on_error_(on_error),
-        shuffle_buffer_(shuffle_buffer),
+        required_fields_(options.required_fields),
+        on_error_(options.on_error),
+        shuffle_buffer_(options.shuffle_buffer),
+        max_sample_bytes_(options.max_sample_bytes),
         skipped_(std::move(skipped)) {}
 
   std::optional<ShardSample> next() override {
@@ -406,7 +480,8 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
     while (true) {
       if (!reader_) {
         if (next_shard_ == shards_.size()) return std::nullopt;
-        reader_ = std::make_unique<ShardReader>(shards_[next_shard_++], required_fields_);
+        reader_ = std::make_unique<ShardReader>(shards_[next_shard_++], required_fields_,
+                                                max_sample_bytes_);
       }
       try {
         if (std::optional<ShardSample> sample = reader_->next()) return sample;
@@ -457,6 +532,7 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
   std::vector<std::string> required_fields_;
   OnError on_error_;
   size_t shuffle_buffer_;
+  uint64_t max_sample_bytes_;
   std::shared_ptr<std::atomic<uint64_t>> skipped_;
   size_t next_shard_ = 0;
   std::unique_ptr<ShardReader> reader_;
@@ -482,8 +558,7 @@ TarShardDataset::TarShardDataset(TarShardOptions options) : options_(std::move(o
 }
 
 std::unique_ptr<SampleIterator<ShardSample>> TarShardDataset::iter(const WorkerInfo* worker) {
-  return std::make_unique<TarShardIterator>(shards_for(worker), options_.required_fields,
-                                            options_.on_error, options_.shuffle_buffer, skipped_);
+  return std::make_unique<TarShardIterator>(shards_for(worker), options_, skipped_);
 }
 
 void TarShardDataset::set_epoch(uint64_t epoch) { epoch_.store(epoch); }
@@ -525,8 +600,9 @@ uint64_t TarShardDataset::skipped() const noexcept { return skipped_->load(); }
 
 std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::string& name,
                                     const std::vector<std::string>& required_fields,
-                                    OnError on_error, uint64_t* skipped) {
-  ShardReader reader(name, bytes, required_fields);
+                                    OnError on_error, uint64_t* skipped,
+                                    uint64_t max_sample_bytes) {
+  ShardReader reader(name, bytes, required_fields, max_sample_bytes);
   std::vector<ShardSample> samples;
   while (true) {
     try {
@@ -776,7 +852,7 @@ LabeledImage decode_class_sample(const ShardSample& sample, const ClassSampleFie
     }
     throw DataError(message, sample.shard, sample.key);
   }
-  return {decode_image(image->second, sample.shard + ":" + sample.key, fields.channels), value};
+  return {decode_image(image->second, sample.shard, sample.key, fields.channels), value};
 }
 
 }  // namespace conveyor

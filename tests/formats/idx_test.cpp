@@ -3,6 +3,9 @@
 // loader.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <conveyor/conveyor.h>
@@ -11,6 +14,8 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -21,6 +26,8 @@
 #include <thread>
 #include <tuple>
 #include <vector>
+
+#include "support/memory_cap.h"
 
 namespace {
 
@@ -84,6 +91,54 @@ std::optional<DataError> data_error_from(Action&& action) {
     return error;
   }
   return std::nullopt;
+}
+
+using conveyor::testing::exit_zero_if_under_cap;
+using conveyor::testing::exit_zero_on_data_error_under_cap;
+
+// A gzip'd IDX file of `header` followed by `zero_mib` MiB of zeros: a
+// decompression bomb (1 GiB in about 1 MB), built without ever holding its
+// inflated size. After a full flush deflate never refers back past it, so
+// one compressed, flushed MiB of zeros is repeated; zlib's crc32_combine
+// gives the trailer's CRC without the data.
+std::vector<uint8_t> gzip_bomb(const std::vector<uint8_t>& header, size_t zero_mib) {
+  constexpr size_t kMiB = size_t{1} << 20;
+  z_stream stream{};
+  // windowBits < 0: raw deflate; the gzip wrapper is written here.
+  EXPECT_EQ(
+      deflateInit2(&stream, Z_BEST_COMPRESSION, Z_DEFLATED, -MAX_WBITS, 9, Z_DEFAULT_STRATEGY),
+      Z_OK);
+  const auto deflate_all = [&](const std::vector<uint8_t>& input, int flush) {
+    std::vector<uint8_t> out(deflateBound(&stream, input.size()) + 64);
+    stream.next_in = const_cast<Bytef*>(input.data());
+    stream.avail_in = static_cast<uInt>(input.size());
+    stream.next_out = out.data();
+    stream.avail_out = static_cast<uInt>(out.size());
+    EXPECT_NE(deflate(&stream, flush), Z_STREAM_ERROR);
+    EXPECT_EQ(stream.avail_in, 0u);
+    EXPECT_GT(stream.avail_out, 0u);  // all of it came out
+    out.resize(out.size() - stream.avail_out);
+    return out;
+  };
+  const std::vector<uint8_t> zeros(kMiB, 0);
+  const std::vector<uint8_t> head = deflate_all(header, Z_FULL_FLUSH);
+  const std::vector<uint8_t> mebibyte = deflate_all(zeros, Z_FULL_FLUSH);
+  const std::vector<uint8_t> tail = deflate_all({}, Z_FINISH);
+  deflateEnd(&stream);
+
+  std::vector<uint8_t> bomb = {0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3};  // deflate, no name, Unix
+  bomb.insert(bomb.end(), head.begin(), head.end());
+  uLong crc = crc32(0, header.data(), static_cast<uInt>(header.size()));
+  const uLong zeros_crc = crc32(0, zeros.data(), static_cast<uInt>(zeros.size()));
+  for (size_t i = 0; i < zero_mib; ++i) {
+    bomb.insert(bomb.end(), mebibyte.begin(), mebibyte.end());
+    crc = crc32_combine(crc, zeros_crc, static_cast<z_off_t>(kMiB));
+  }
+  bomb.insert(bomb.end(), tail.begin(), tail.end());
+  const uint64_t inflated = header.size() + zero_mib * kMiB;
+  for (int shift = 0; shift < 32; shift += 8) bomb.push_back(uint8_t(crc >> shift));
+  for (int shift = 0; shift < 32; shift += 8) bomb.push_back(uint8_t(inflated >> shift));  // ISIZE
+  return bomb;
 }
 
 // A fresh directory under /tmp per test, removed afterwards.
@@ -316,7 +371,7 @@ TEST_F(IdxErrorTest, DirectoryIsNotAFile) {
   std::optional<DataError> error = data_error_from([&] { IdxFile::open(directory_); });
   ASSERT_TRUE(error);
   EXPECT_EQ(error->file(), directory_);
-  EXPECT_TRUE(Contains(error->what(), "Is a directory"));
+  EXPECT_TRUE(Contains(error->what(), "not a regular file (a directory)"));
 }
 
 TEST_F(IdxErrorTest, TruncatedGzip) {
@@ -407,8 +462,12 @@ TEST_F(IdxErrorTest, DataShorterOrLongerThanTheDimensions) {
                     "24 data bytes, but the file has only 23");
   std::vector<uint8_t> longer = data;
   longer.push_back(0);
-  expect_open_fails("too-long.gz", gzip(idx_bytes(0x08, {3, 2, 4}, longer)),
+  expect_open_fails("too-long", idx_bytes(0x08, {3, 2, 4}, longer),
                     "need 24 data bytes, but the file has 1 more (trailing data)");
+  // Gzip'd, inflating stops one byte past the declared size.
+  expect_open_fails("too-long.gz", gzip(idx_bytes(0x08, {3, 2, 4}, longer)),
+                    "need 24 data bytes, 40 bytes with the header, but the gzip stream "
+                    "decompresses to more");
   // Element size counts: 3 int16 need 6 bytes.
   expect_open_fails("int16", idx_bytes(0x0B, {3}, {1, 2, 3}), "need 6 data bytes");
 }
@@ -423,6 +482,97 @@ TEST_F(IdxErrorTest, DimensionsWhoseProductOverflows) {
   expect_open_fails("wraps-to-zero",
                     idx_bytes(0x08, {1, 0x10000u, 0x10000u, 0x10000u, 0x10000u}, {}),
                     "more bytes than can be addressed");
+}
+
+// 12a: a valid 1-item [1, 28, 28] header, then 1 GiB of zeros in ~1 MB of
+// gzip. Before the fix the reader inflated all of it (a GiB and more, 9.4 GB
+// for a 3 GiB bomb) before finding it too long; under the cap that was
+// std::bad_alloc, so the child exited 2.
+TEST_F(IdxErrorTest, GzipBombStopsAtTheSizeTheHeaderDeclares) {
+  const std::vector<uint8_t> bomb = gzip_bomb(idx_bytes(0x08, {1, 28, 28}, {}), 1024);
+  ASSERT_LT(bomb.size(), 2u << 20);
+  const std::string path = write("bomb-idx3-ubyte.gz", bomb);
+  const std::string declared =
+      "need 784 data bytes, 800 bytes with the header, but the gzip stream decompresses to more";
+  // Only ever read in the capped child: unfixed, it would take gigabytes.
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap(
+                  [&] { IdxFile::open(path); },
+                  {path + ": IDX dimensions [1, 28, 28]", declared, "stopped after 801 bytes"}),
+              testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { IdxFile::parse(bomb, "bomb"); },
+                                                {"bomb: ", declared}),
+              testing::ExitedWithCode(0), "");
+}
+
+// A file that really holds what its header declares, 1 GiB, with less
+// memory than that left: a DataError naming it, not a std::bad_alloc (which
+// is what escaped before the fix: the child exited 2).
+TEST_F(IdxErrorTest, OutOfMemoryIsADataErrorNamingTheFile) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer ends the process on a failed allocation instead of "
+                  "throwing std::bad_alloc";
+#endif
+  const std::string path =
+      write("gibibyte-idx3-ubyte.gz", gzip_bomb(idx_bytes(0x08, {1024, 1024, 1024}, {}), 1024));
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap(
+                  [&] { IdxFile::open(path); },
+                  {path + ": out of memory reading the file (std::bad_alloc)"}),
+              testing::ExitedWithCode(0), "");
+}
+
+// What a header declares is only a ceiling: 2^63 bytes of float64 over a
+// stream of ten must cost what the ten cost, not a reservation of the
+// declared size (a fix that reserved it would fail here under the cap).
+TEST_F(IdxErrorTest, AbsurdDeclaredSizeOverATinyStreamCostsNothing) {
+  const std::vector<uint8_t> zipped =
+      gzip(idx_bytes(0x0E, {1u << 30, 1u << 30}, counting_bytes(10)));
+  const std::vector<std::string> parts = {
+      "truncated IDX data", "need 9223372036854775808 data bytes", "the file has only 10"};
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { IdxFile::parse(zipped, "absurd"); }, parts),
+              testing::ExitedWithCode(0), "");
+}
+
+// A gzip file whose data ends exactly where the header says, followed by an
+// empty member, is complete: the byte looked for past the end is not there.
+TEST_F(IdxErrorTest, DeclaredSizeIsExactAcrossMembers) {
+  const std::vector<uint8_t> data = counting_bytes(24);
+  std::vector<uint8_t> joined = gzip(idx_bytes(0x08, {3, 2, 4}, data));
+  const std::vector<uint8_t> empty = gzip({});
+  joined.insert(joined.end(), empty.begin(), empty.end());
+  expect_three_items_of_two_by_four(IdxFile::parse(joined, "with an empty member"), data);
+  // One byte more in a second member is trailing data all the same.
+  const std::vector<uint8_t> one_more = gzip({0});
+  joined.insert(joined.end(), one_more.begin(), one_more.end());
+  const std::string path = write("one-more.gz", joined);
+  std::optional<DataError> error = data_error_from([&] { IdxFile::open(path); });
+  ASSERT_TRUE(error);
+  EXPECT_TRUE(Contains(error->what(), "decompresses to more"));
+}
+
+// 12b: a path that is not a regular file. Before the fix /dev/zero and
+// /dev/urandom were read until memory ran out (std::bad_alloc under the
+// cap: the child exited 2), and the directory's error came from read().
+TEST_F(IdxErrorTest, DevicesAndDirectoriesAreNotRegularFiles) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/dev/zero", "a character device"},
+      {"/dev/urandom", "a character device"},
+      {directory_, "a directory"}};
+  for (const auto& [path, kind] : cases) {
+    SCOPED_TRACE(path);
+    const std::vector<std::string> parts = {path + ": not a regular file (" + kind + ")"};
+    EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { IdxFile::open(path); }, parts),
+                testing::ExitedWithCode(0), "");
+  }
+}
+
+// Nobody ever writes to the FIFO: before the fix open() waited for a writer
+// forever (the test hung until ctest's timeout); now it is refused at once.
+TEST_F(IdxErrorTest, FifoIsRefusedWithoutWaitingForAWriter) {
+  const std::string fifo = directory_ + "/fifo-idx3-ubyte";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::vector<std::string> parts = {fifo + ": not a regular file (a FIFO (named pipe))"};
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { IdxFile::open(fifo); }, parts),
+              testing::ExitedWithCode(0), "");
 }
 
 // ---- the image dataset -----------------------------------------------------
@@ -459,6 +609,30 @@ TEST_F(IdxImageDatasetTest, MismatchedCountsNameBothFiles) {
   EXPECT_TRUE(Contains(error->what(), labels));
   EXPECT_TRUE(Contains(error->what(), "3 images"));
   EXPECT_TRUE(Contains(error->what(), "2 labels"));
+}
+
+// 12b through the dataset: either path may be the bad one, and is named.
+TEST_F(IdxImageDatasetTest, NonRegularImagesOrLabelsPathIsRefused) {
+  const std::string images = write("images", idx_bytes(0x08, {2, 1, 1}, {1, 2}));
+  const std::string labels = write("labels", idx_bytes(0x08, {2}, {3, 4}));
+  const std::string fifo = directory_ + "/fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/dev/zero", "a character device"},
+      {"/dev/urandom", "a character device"},
+      {fifo, "a FIFO (named pipe)"},
+      {directory_, "a directory"}};
+  for (const auto& [path, kind] : cases) {
+    SCOPED_TRACE(path);
+    const std::vector<std::string> parts = {path + ": not a regular file (" + kind + ")"};
+    EXPECT_EXIT(
+        exit_zero_on_data_error_under_cap([&] { IdxImageDataset dataset(path, labels); }, parts),
+        testing::ExitedWithCode(0), "");
+    EXPECT_EXIT(
+        exit_zero_on_data_error_under_cap([&] { IdxImageDataset dataset(images, path); }, parts),
+        testing::ExitedWithCode(0), "");
+  }
+  EXPECT_EQ(IdxImageDataset(images, labels).size(), 2u);
 }
 
 TEST_F(IdxImageDatasetTest, WrongShapesOrTypesAreDataErrors) {

@@ -20,10 +20,14 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "conveyor/data_error.h"
 #include "conveyor/errors.h"
+
+#include "support/memory_cap.h"
 
 namespace conveyor {
 namespace {
@@ -505,6 +509,76 @@ std::pair<size_t, size_t> png_chunk(const std::vector<uint8_t>& png, const char*
   return {png.size(), 0};
 }
 
+using conveyor::testing::exit_zero_if_under_cap;
+using conveyor::testing::exit_zero_on_data_error_under_cap;
+
+// A real JPEG of 16 x 16 pixels whose SOF0 header is patched to claim
+// width x height: a few hundred bytes that a trusting decoder sizes by the
+// claim (40000 x 40000 RGB: 4.8 GB).
+std::vector<uint8_t> jpeg_claiming(uint16_t width, uint16_t height) {
+  std::vector<uint8_t> jpeg = encode_jpeg(smooth_image(3, 16, 16), 90);
+  for (size_t i = 2; i + 8 < jpeg.size(); ++i) {
+    if (jpeg[i] == 0xFF && jpeg[i + 1] == 0xC0) {  // SOF0: length, precision, height, width
+      jpeg[i + 5] = static_cast<uint8_t>(height >> 8);
+      jpeg[i + 6] = static_cast<uint8_t>(height);
+      jpeg[i + 7] = static_cast<uint8_t>(width >> 8);
+      jpeg[i + 8] = static_cast<uint8_t>(width);
+      return jpeg;
+    }
+  }
+  ADD_FAILURE() << "no SOF0 marker";
+  return jpeg;
+}
+
+void append_big_endian(std::vector<uint8_t>& bytes, uint32_t value) {
+  for (int shift = 24; shift >= 0; shift -= 8)
+    bytes.push_back(static_cast<uint8_t>(value >> shift));
+}
+
+void append_png_chunk(std::vector<uint8_t>& png, const char* type,
+                      const std::vector<uint8_t>& data) {
+  append_big_endian(png, static_cast<uint32_t>(data.size()));
+  const size_t type_at = png.size();
+  png.insert(png.end(), type, type + 4);
+  png.insert(png.end(), data.begin(), data.end());
+  append_big_endian(png, static_cast<uint32_t>(
+                             crc32(0, png.data() + type_at, static_cast<uInt>(4 + data.size()))));
+}
+
+// A 69-byte PNG whose IHDR (with a correct CRC) claims width x height 8-bit
+// RGB, with a token IDAT: 10^6 x 10^6 is within libpng's own limits and
+// asks for 3 TB.
+std::vector<uint8_t> png_claiming(uint32_t width, uint32_t height) {
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  std::vector<uint8_t> header;
+  append_big_endian(header, width);
+  append_big_endian(header, height);
+  header.insert(header.end(), {8, 2, 0, 0, 0});  // 8 bits, RGB, deflate, adaptive, progressive
+  append_png_chunk(png, "IHDR", header);
+  std::vector<uint8_t> row(4, 0);  // a filter byte and one pixel
+  uLongf zipped_size = compressBound(row.size());
+  std::vector<uint8_t> zipped(zipped_size);
+  EXPECT_EQ(compress(zipped.data(), &zipped_size, row.data(), row.size()), Z_OK);
+  zipped.resize(zipped_size);
+  append_png_chunk(png, "IDAT", zipped);
+  append_png_chunk(png, "IEND", {});
+  return png;
+}
+
+// Sets the process-wide pixel limit for one scope, then restores it.
+class ScopedMaxImagePixels {
+ public:
+  explicit ScopedMaxImagePixels(uint64_t pixels) : saved_(max_image_pixels()) {
+    set_max_image_pixels(pixels);
+  }
+  ~ScopedMaxImagePixels() { set_max_image_pixels(saved_); }
+  ScopedMaxImagePixels(const ScopedMaxImagePixels&) = delete;
+  ScopedMaxImagePixels& operator=(const ScopedMaxImagePixels&) = delete;
+
+ private:
+  uint64_t saved_;
+};
+
 // ---- format sniffing and headers -------------------------------------------------
 
 TEST(ImageSniff, RecognisesMagicBytes) {
@@ -974,6 +1048,125 @@ TEST(ImageErrors, BadArguments) {
   EXPECT_THROW(encode_jpeg(smooth_image(3, 4, 4), 0), ValueError);
   EXPECT_THROW(encode_jpeg(smooth_image(3, 4, 4), 101), ValueError);
   EXPECT_THROW(encode_png(Array<uint8_t>()), ValueError);
+}
+
+// ---- decompression bombs (13) -------------------------------------------------------
+
+// Before the fix decode_image sized its output by the header: 4.8 GB for this
+// 800-byte file (std::bad_alloc under the cap: the child exited 2), and
+// decode_image_into complained of `out`'s size, a ValueError.
+TEST(ImageBombs, TinyJpegClaimingFortyThousandSquaredIsRefusedFromItsHeader) {
+  const std::vector<uint8_t> jpeg = jpeg_claiming(40000, 40000);
+  ASSERT_LT(jpeg.size(), 1000u);
+  const ImageInfo info = read_image_info(jpeg, "bomb.jpg");  // the header alone is fine
+  EXPECT_EQ(info.width, 40000);
+  EXPECT_EQ(info.height, 40000);
+  const std::vector<std::string> parts = {
+      "bomb.jpg: image of 40000 x 40000 = 1600000000 pixels is over the limit of 178956970 "
+      "pixels"};
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { decode_image(jpeg, "bomb.jpg"); }, parts),
+              ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { decode_image(jpeg, "bomb.jpg", 1); }, parts),
+              ::testing::ExitedWithCode(0), "");
+  // Into caller memory: refused before `out`'s size is even looked at.
+  std::vector<uint8_t> slot(16);
+  EXPECT_THROW(decode_image_into(jpeg, slot, "bomb.jpg"), DataError);
+}
+
+// Before the fix: std::bad_alloc from a 3 TB allocation, which names no file
+// and which OnError::skip does not skip (the child exited 2).
+TEST(ImageBombs, SixtyNineBytePngClaimingAMillionSquaredIsRefusedFromItsHeader) {
+  const std::vector<uint8_t> png = png_claiming(1000000, 1000000);
+  EXPECT_EQ(png.size(), 69u);
+  EXPECT_EQ(read_image_info(png, "bomb.png").width, 1000000);
+  const std::vector<std::string> parts = {
+      "bomb.png: image of 1000000 x 1000000 = 1000000000000 pixels is over the limit"};
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { decode_image(png, "bomb.png"); }, parts),
+              ::testing::ExitedWithCode(0), "");
+  std::vector<uint8_t> slot(16);
+  EXPECT_THROW(decode_image_into(png, slot, "bomb.png"), DataError);
+}
+
+// With the limit lifted, running out of memory is still a DataError naming
+// the image, which OnError::skip can skip, and not a std::bad_alloc.
+TEST(ImageBombs, OutOfMemoryIsADataErrorNamingTheImage) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer ends the process on a failed allocation instead of "
+                  "throwing std::bad_alloc";
+#endif
+  const std::vector<uint8_t> png = png_claiming(1000000, 1000000);
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap(
+                  [&] {
+                    set_max_image_pixels(0);  // in the child only
+                    decode_image(png, "huge.png");
+                  },
+                  {"huge.png: out of memory decoding the image"}),
+              ::testing::ExitedWithCode(0), "");
+}
+
+TEST(ImagePixelLimit, DefaultIsPillowsErrorThreshold) {
+  EXPECT_EQ(kDefaultMaxImagePixels, 2u * 89'478'485u);  // 2 * Image.MAX_IMAGE_PIXELS
+  EXPECT_EQ(max_image_pixels(), kDefaultMaxImagePixels);
+}
+
+TEST(ImagePixelLimit, JustUnderDecodesJustOverIsRefused) {
+  const Array<uint8_t> image = smooth_image(3, 30, 40);  // 1200 pixels
+  for (const std::vector<uint8_t>& encoded : {encode_png(image), encode_jpeg(image, 90)}) {
+    std::vector<uint8_t> slot(3 * 1200);
+    {
+      ScopedMaxImagePixels limit(1200);
+      EXPECT_EQ(decode_image(encoded, "at.img").shape(), (std::vector<int64_t>{3, 30, 40}));
+      EXPECT_EQ(decode_image_into(encoded, slot, "at.img").width, 40);
+    }
+    {
+      ScopedMaxImagePixels limit(1199);
+      const std::string message = decode_error(encoded, "over.img");
+      EXPECT_NE(message.find("over.img: image of 40 x 30 = 1200 pixels is over the limit of "
+                             "1199 pixels"),
+                std::string::npos)
+          << message;
+      EXPECT_THROW(decode_image_into(encoded, slot, "over.img"), DataError);
+      EXPECT_EQ(read_image_info(encoded, "over.img").width, 40);  // headers are still read
+    }
+    {
+      ScopedMaxImagePixels no_limit(0);
+      EXPECT_EQ(max_image_pixels(), 0u);
+      EXPECT_EQ(decode_image(encoded, "any.img").shape(), (std::vector<int64_t>{3, 30, 40}));
+    }
+    EXPECT_EQ(max_image_pixels(), kDefaultMaxImagePixels);
+  }
+}
+
+// Process-wide, as Pillow's: set on one thread, it holds on every other.
+TEST(ImagePixelLimit, SetOnOneThreadHoldsOnAll) {
+  const std::vector<uint8_t> png = encode_png(smooth_image(1, 10, 10));
+  ScopedMaxImagePixels limit(99);
+  bool refused = false;
+  std::thread other([&] {
+    try {
+      decode_image(png, "other-thread.png");
+    } catch (const DataError&) {
+      refused = true;
+    }
+  });
+  other.join();
+  EXPECT_TRUE(refused);
+}
+
+// A member of a container: the file and the member are named apart.
+TEST(ImagePixelLimit, ErrorNamesFileAndMemberApart) {
+  const std::vector<uint8_t> png = encode_png(smooth_image(1, 10, 10));
+  ScopedMaxImagePixels limit(99);
+  try {
+    decode_image(png, "shard-7.tar", "000123", 0);
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), "shard-7.tar");
+    EXPECT_EQ(error.member(), "000123");
+    EXPECT_NE(std::string(error.what()).find("shard-7.tar, member '000123': image of 10 x 10"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 // Decoders are called from many workers at once; each thread keeps its own

@@ -1,23 +1,33 @@
 #include <gtest/gtest.h>
 
 #include <conveyor/data_loader.h>
+#include <conveyor/datasets.h>
 #include <conveyor/generator.h>
 #include <conveyor/image.h>
 #include <conveyor/tar_shards.h>
 
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "support/memory_cap.h"
 
 namespace {
 
@@ -143,6 +153,12 @@ class UstarBuilder {
     add(name, '2', "", target);
     return *this;
   }
+  // A regular member's header claiming `declared_size` bytes, without them
+  // (the caller supplies the data, or leaves the shard cut short).
+  UstarBuilder& header_only(const std::string& name, uint64_t declared_size) {
+    add(name, '0', "", "", declared_size);
+    return *this;
+  }
   std::vector<uint8_t> bytes() const {
     std::vector<uint8_t> out = bytes_;
     out.resize(out.size() + 1024, 0);  // end-of-archive blocks
@@ -150,7 +166,8 @@ class UstarBuilder {
   }
 
  private:
-  void add(const std::string& name, char type, const std::string& data, const std::string& link) {
+  void add(const std::string& name, char type, const std::string& data, const std::string& link,
+           std::optional<uint64_t> declared_size = std::nullopt) {
     std::vector<uint8_t> header(512, 0);
     const auto put = [&](size_t offset, const std::string& value) {
       std::memcpy(header.data() + offset, value.data(), value.size());
@@ -165,7 +182,7 @@ class UstarBuilder {
     put(100, octal(type == '5' ? 0755 : 0644, 7));
     put(108, octal(0, 7));
     put(116, octal(0, 7));
-    put(124, octal(data.size(), 11));
+    put(124, octal(declared_size.value_or(data.size()), 11));
     put(136, octal(0, 11));
     put(148, "        ");
     header[156] = static_cast<uint8_t>(type);
@@ -187,6 +204,28 @@ TarShardOptions options_for(std::vector<std::string> shards) {
   TarShardOptions options;
   options.shards = std::move(shards);
   return options;
+}
+
+using conveyor::testing::exit_zero_if_under_cap;
+
+// A real JPEG of 16 x 16 pixels whose SOF0 header is patched to claim
+// width x height: a few hundred bytes that a trusting decoder sizes by the
+// claim (40000 x 40000 RGB: 4.8 GB).
+std::vector<uint8_t> jpeg_claiming(uint16_t width, uint16_t height) {
+  conveyor::Array<uint8_t> image({3, 16, 16});
+  for (size_t i = 0; i < image.numel(); ++i) image.data()[i] = static_cast<uint8_t>(i * 5);
+  std::vector<uint8_t> jpeg = conveyor::encode_jpeg(image, 90);
+  for (size_t i = 2; i + 8 < jpeg.size(); ++i) {
+    if (jpeg[i] == 0xFF && jpeg[i + 1] == 0xC0) {  // SOF0: length, precision, height, width
+      jpeg[i + 5] = static_cast<uint8_t>(height >> 8);
+      jpeg[i + 6] = static_cast<uint8_t>(height);
+      jpeg[i + 7] = static_cast<uint8_t>(width >> 8);
+      jpeg[i + 8] = static_cast<uint8_t>(width);
+      return jpeg;
+    }
+  }
+  ADD_FAILURE() << "no SOF0 marker";
+  return jpeg;
 }
 
 // ---- writer and reader ---------------------------------------------------------
@@ -607,6 +646,47 @@ TEST(TarShardErrors, MissingShardFile) {
   EXPECT_EQ(skipping.skipped(), 1u);
 }
 
+// 12b: only a regular file is a shard. Before the fix /dev/zero read as an
+// empty archive (no error, no sample), and /dev/urandom and the directory
+// failed with libarchive's or read()'s complaint instead.
+TEST(TarShardErrors, DevicesAndDirectoriesAreRefusedByName) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/dev/zero", "a character device"},
+      {"/dev/urandom", "a character device"},
+      {dir.file(""), "a directory"}};
+  for (const auto& [path, kind] : cases) {
+    SCOPED_TRACE(path);
+    TarShardDataset raising(with_policy({path}, OnError::raise));
+    const Drained raised = drain_with_errors(raising);
+    EXPECT_TRUE(raised.keys.empty());
+    ASSERT_EQ(raised.errors.size(), 1u);
+    EXPECT_EQ(raised.errors[0].file(), path);
+    EXPECT_TRUE(
+        mentions(raised.errors[0], path + ": cannot read shard: not a regular file (" + kind + ")"))
+        << raised.errors[0].what();
+    TarShardDataset skipping(with_policy({path}, OnError::skip));
+    EXPECT_TRUE(drain_with_errors(skipping).keys.empty());
+    EXPECT_EQ(skipping.skipped(), 1u);
+  }
+}
+
+// Nobody ever writes to the FIFO: before the fix open() waited for a writer
+// forever (the test hung until ctest's timeout); now it is refused at once.
+TEST(TarShardErrors, FifoIsRefusedWithoutWaitingForAWriter) {
+  TempDir dir;
+  const std::string fifo = dir.file("fifo.tar");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::vector<std::string> paths = write_samples(dir.file("f-"), 2, 2);
+  TarShardDataset dataset(with_policy({fifo, paths[0]}, OnError::raise));
+  const Drained drained = drain_with_errors(dataset);
+  EXPECT_EQ(drained.keys, key_range(0, 2));  // the next shard is read
+  ASSERT_EQ(drained.errors.size(), 1u);
+  EXPECT_EQ(drained.errors[0].file(), fifo);
+  EXPECT_TRUE(mentions(drained.errors[0], "not a regular file (a FIFO (named pipe))"))
+      << drained.errors[0].what();
+}
+
 TEST(TarShardErrors, ShardCutInTheMiddleOfAMember) {
   TempDir dir;
   const std::vector<std::string> paths = write_samples(dir.file("t-"), 10, 5);
@@ -845,6 +925,127 @@ TEST(TarShardErrors, RaiseReachesTheLoaderConsumerAsWorkerError) {
   }
 }
 
+// ---- memory limits (max_sample_bytes) -----------------------------------------
+
+// A member of 2 GiB, its data a hole in a sparse file: the bytes are really
+// there, costing no disk. Before the fix the reader reserved all 2 GiB (the
+// file holds them) and would have filled them; under the cap that was
+// std::bad_alloc, which is no DataError (the child exited 2). Now the default
+// limit (1 GiB) refuses it from its header.
+TEST(TarShardLimits, MemberClaimingGigabytesIsRefusedFromItsHeader) {
+  TempDir dir;
+  const std::string path = dir.file("sparse.tar");
+  constexpr uint64_t kDeclared = uint64_t{2} << 30;
+  UstarBuilder builder;
+  builder.header_only("000000.bin", kDeclared);
+  std::vector<uint8_t> header = builder.bytes();
+  header.resize(512);  // without the end blocks: they follow the data
+  write_bytes(path, header);
+  ASSERT_EQ(truncate(path.c_str(), static_cast<off_t>(512 + kDeclared + 1024)), 0);
+  // Only the first next(): going on would read the 2 GiB of zeros to skip
+  // them (in 64 KiB blocks, so in bounded memory, but for seconds).
+  EXPECT_EXIT(exit_zero_if_under_cap([&] {
+                TarShardDataset dataset(options_for({path}));
+                try {
+                  dataset.iter(nullptr)->next();
+                } catch (const DataError& error) {
+                  const std::string expected =
+                      path +
+                      ", member '000000.bin', sample 0: member of 2147483648 bytes takes "
+                      "sample '000000' (0 bytes before it) over max_sample_bytes = "
+                      "1073741824";
+                  if (std::string(error.what()).find(expected) != std::string::npos) {
+                    return std::string();
+                  }
+                  return "DataError '" + std::string(error.what()) + "' lacks '" + expected + "'";
+                }
+                return std::string("no DataError");
+              }),
+              testing::ExitedWithCode(0), "");
+}
+
+// With the limit lifted, the same member is read, and running out of memory
+// on it is a DataError naming the shard and the member (which OnError::skip
+// can skip), not a std::bad_alloc.
+TEST(TarShardLimits, OutOfMemoryIsADataErrorNamingTheShard) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer ends the process on a failed allocation instead of "
+                  "throwing std::bad_alloc";
+#endif
+  TempDir dir;
+  const std::string path = dir.file("sparse.tar");
+  constexpr uint64_t kDeclared = uint64_t{1} << 30;
+  UstarBuilder builder;
+  builder.header_only("000000.bin", kDeclared);
+  std::vector<uint8_t> header = builder.bytes();
+  header.resize(512);
+  write_bytes(path, header);
+  ASSERT_EQ(truncate(path.c_str(), static_cast<off_t>(512 + kDeclared + 1024)), 0);
+  EXPECT_EXIT(exit_zero_if_under_cap([&] {
+                TarShardOptions options = options_for({path});
+                options.max_sample_bytes = 0;
+                TarShardDataset dataset(options);
+                try {
+                  dataset.iter(nullptr)->next();
+                } catch (const DataError& error) {
+                  const std::string expected =
+                      path + ", member '000000.bin', sample 0: out of memory reading the shard";
+                  if (std::string(error.what()).find(expected) != std::string::npos) {
+                    return std::string();
+                  }
+                  return "DataError '" + std::string(error.what()) + "' lacks '" + expected + "'";
+                }
+                return std::string("no DataError");
+              }),
+              testing::ExitedWithCode(0), "");
+}
+
+// The limit counts a sample's members together, is exact (a sample of
+// exactly max_sample_bytes is read), and a refused sample is skipped and
+// counted like any bad one.
+TEST(TarShardLimits, SampleOverMaxSampleBytesIsSkippedAndCounted) {
+  const auto blob = [](size_t size) { return std::string(size, 'x'); };
+  const std::vector<uint8_t> shard = UstarBuilder()
+                                         .file("000000.cls", "1")
+                                         .file("000000.bin", blob(300))
+                                         .file("000001.a", blob(600))
+                                         .file("000001.b", blob(600))  // 1200 in all
+                                         .file("000002.bin", blob(999))
+                                         .file("000002.cls", "2")  // exactly 1000
+                                         .file("000003.bin", blob(1001))
+                                         .file("000004.cls", "4")
+                                         .bytes();
+  try {
+    conveyor::read_shard(shard, "limits.tar", {}, OnError::raise, nullptr, 1000);
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), "limits.tar");
+    EXPECT_EQ(error.member(), "000001.b");
+    EXPECT_EQ(error.sample(), 1);
+    EXPECT_TRUE(mentions(error,
+                         "member of 600 bytes takes sample '000001' (600 bytes before "
+                         "it) over max_sample_bytes = 1000"))
+        << error.what();
+  }
+  uint64_t skipped = 0;
+  EXPECT_EQ(keys(conveyor::read_shard(shard, "limits.tar", {}, OnError::skip, &skipped, 1000)),
+            (std::vector<std::string>{"000000", "000002", "000004"}));
+  EXPECT_EQ(skipped, 2u);
+  EXPECT_EQ(keys(conveyor::read_shard(shard, "limits.tar", {}, OnError::raise, nullptr, 0)),
+            key_range(0, 5));  // 0: no limit
+
+  // The same through the dataset's option.
+  TempDir dir;
+  const std::string path = dir.file("limits.tar");
+  write_bytes(path, shard);
+  TarShardOptions options = with_policy({path}, OnError::skip);
+  options.max_sample_bytes = 1000;
+  TarShardDataset dataset(options);
+  EXPECT_EQ(drain_with_errors(dataset).keys,
+            (std::vector<std::string>{"000000", "000002", "000004"}));
+  EXPECT_EQ(dataset.skipped(), 2u);
+}
+
 // ---- decode_class_sample ----------------------------------------------------
 
 ShardSample class_sample(Fields fields) {
@@ -914,7 +1115,58 @@ TEST(DecodeClassSample, BadSamplesNameTheShardKeyAndProblem) {
   std::vector<uint8_t> truncated = small_png();
   truncated.resize(truncated.size() / 2);
   const std::string corrupt = decode({{"jpg", truncated}, {"cls", text("1")}});
-  EXPECT_NE(corrupt.find("/data/train-000003.tar:000042"), std::string::npos) << corrupt;
+  EXPECT_NE(corrupt.find("/data/train-000003.tar, member '000042': "), std::string::npos)
+      << corrupt;
+  // The image's errors name the shard and the key apart, as the others do.
+  try {
+    conveyor::decode_class_sample(class_sample({{"jpg", truncated}, {"cls", text("1")}}));
+    ADD_FAILURE() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), "/data/train-000003.tar");
+    EXPECT_EQ(error.member(), "000042");
+  }
+}
+
+// 13 in a shard: the 800-byte JPEG claiming 40000 x 40000 pixels is one
+// sample among good ones. Before the fix decode_class_sample allocated 4.8 GB
+// for it (std::bad_alloc under the cap), which map()'s OnError::skip does
+// not skip: the child exited 2. Now it is a DataError naming the shard and
+// key, skipped and counted.
+TEST(DecodeClassSample, ImageBombInAShardIsSkippedAndCounted) {
+  TempDir dir;
+  TarShardWriter writer(dir.file("bomb-"), 10);
+  writer.write("000000", {{"jpg", small_png()}, {"cls", text("1")}});
+  writer.write("000001", {{"jpg", jpeg_claiming(40000, 40000)}, {"cls", text("2")}});
+  writer.write("000002", {{"jpg", small_png()}, {"cls", text("3")}});
+  const std::vector<std::string> shards = writer.close();
+  const auto decode = [](ShardSample sample) { return conveyor::decode_class_sample(sample); };
+  // Only ever decoded in the capped child: unfixed, it would take gigabytes.
+  EXPECT_EXIT(exit_zero_if_under_cap([&] {
+                auto skipping = conveyor::map(
+                    std::make_shared<TarShardDataset>(options_for(shards)), decode, OnError::skip);
+                std::vector<int64_t> labels;
+                auto samples = skipping->iter(nullptr);
+                while (auto sample = samples->next()) labels.push_back(sample->label);
+                if (labels != std::vector<int64_t>{1, 3}) return std::string("wrong labels");
+                if (skipping->skipped() != 1) return std::string("not counted as skipped");
+                // Raised, it names the shard and the key apart.
+                auto raising =
+                    conveyor::map(std::make_shared<TarShardDataset>(options_for(shards)), decode);
+                samples = raising->iter(nullptr);
+                samples->next();
+                try {
+                  samples->next();
+                } catch (const DataError& error) {
+                  if (error.file() != shards[0] || error.member() != "000001" ||
+                      !mentions(error, "image of 40000 x 40000 = 1600000000 pixels is over")) {
+                    return "DataError '" + std::string(error.what()) +
+                           "' does not name the shard, the key and the limit";
+                  }
+                  return std::string();
+                }
+                return std::string("no DataError");
+              }),
+              testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

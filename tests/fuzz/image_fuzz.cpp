@@ -8,14 +8,16 @@
 #include <span>
 #include <vector>
 
+#include "conveyor/data_error.h"
 #include "conveyor/errors.h"
 #include "conveyor/image.h"
 
 namespace {
 
-// A 40-byte JPEG header may claim 65500 x 65500 pixels; allocating that is
-// the fuzzer's out-of-memory report, not a decoder bug, so such inputs stop
-// after the header (libjpeg-turbo's own fuzzers use the same bound).
+// A 40-byte JPEG header may claim 65500 x 65500 pixels. The decoders refuse
+// images over max_image_pixels() from their header; the fuzzer lowers that
+// limit to this bound (libjpeg-turbo's own fuzzers use the same) so decoding
+// stays fast, and checks that every image over it is refused.
 constexpr uint64_t kMaxFuzzPixels = uint64_t{1} << 20;
 
 void check(bool condition) {
@@ -23,6 +25,11 @@ void check(bool condition) {
 }
 
 }  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
+  conveyor::set_max_image_pixels(kMaxFuzzPixels);
+  return 0;
+}
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const uint8_t> bytes(data, size);
@@ -34,6 +41,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   check(info.width > 0 && info.height > 0 && (info.channels == 1 || info.channels == 3));
   if (static_cast<uint64_t>(info.width) * static_cast<uint64_t>(info.height) > kMaxFuzzPixels) {
+    // Refused from the header, before any allocation: a DataError, never
+    // std::bad_alloc or an out-of-memory report.
+    try {
+      (void)conveyor::decode_image(bytes, "fuzz-input");
+      check(false);
+    } catch (const conveyor::DataError&) {
+    }
     return 0;
   }
   // Vary the requested channels with the input, so conversions get fuzzed

@@ -66,5 +66,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check_samples(strict, size, required);
     check_samples(lenient, size, required);
   }
+  // A small max_sample_bytes: every sample read stays within it, and the
+  // ones over it are skipped and counted, never thrown.
+  constexpr uint64_t kSmallLimit = 64;
+  uint64_t skipped = 0;
+  const std::vector<conveyor::ShardSample> bounded =
+      conveyor::read_shard(bytes, "fuzz.tar", {}, conveyor::OnError::skip, &skipped, kSmallLimit);
+  check_samples(bounded, size, {});
+  for (const conveyor::ShardSample& sample : bounded) {
+    uint64_t sample_bytes = 0;
+    for (const auto& [field, field_bytes] : sample.fields) sample_bytes += field_bytes.size();
+    if (sample_bytes > kSmallLimit) __builtin_trap();
+  }
   return 0;
 }

@@ -89,6 +89,20 @@ struct PoolState {
   std::array<moodycamel::ConcurrentQueue<Block*>, kClasses> free_lists;
   // Approximate sizes of the free lists. Relaxed: only bounds the cache.
   std::array<std::atomic<size_t>, kClasses> free_counts{};
+  // Bytes handed out and not yet back, the most there ever were, and bytes
+  // idle on the free lists: the pool keeps idle no more than the loader ever
+  // had in use at once, whatever the spread of sizes. Relaxed: bounds only
+  // (concurrent returns may overshoot by a block each).
+  std::atomic<size_t> in_use_bytes{0};
+  std::atomic<size_t> peak_in_use_bytes{0};
+  std::atomic<size_t> idle_bytes{0};
+
+  void note_handed_out(size_t bytes) {
+    const size_t now = in_use_bytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    size_t peak = peak_in_use_bytes.load(std::memory_order_relaxed);
+    while (now > peak && !peak_in_use_bytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
 };
 
 
@@ -100,11 +114,17 @@ void recycle(Block* block) noexcept {
   block->last_copy.synchronize();
   block->last_copy = TransferEvent();
   const size_t c = block->size_class;
-  if (pool->free_counts[c].fetch_add(1, std::memory_order_relaxed) < pool->max_free_per_class &&
-      pool->free_lists[c].enqueue(block)) {
-    return;
+  const size_t bytes = block->capacity();
+  pool->in_use_bytes.fetch_sub(bytes, std::memory_order_relaxed);
+  const size_t idle = pool->idle_bytes.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  if (idle <= pool->peak_in_use_bytes.load(std::memory_order_relaxed)) {
+    if (pool->free_counts[c].fetch_add(1, std::memory_order_relaxed) < pool->max_free_per_class &&
+        pool->free_lists[c].enqueue(block)) {
+      return;
+    }
+    pool->free_counts[c].fetch_sub(1, std::memory_order_relaxed);
   }
-  pool->free_counts[c].fetch_sub(1, std::memory_order_relaxed);
+  pool->idle_bytes.fetch_sub(bytes, std::memory_order_relaxed);
   pool->delete_block(block);
 }
 
@@ -144,6 +164,12 @@ class RecyclingAllocator final : public BufferAllocator {
   RecyclingAllocator(size_t max_free_per_class, std::shared_ptr<TransferDevice> pinned_by)
       : state_(std::make_shared<PoolState>(max_free_per_class, std::move(pinned_by))) {}
 
+  PoolStats stats() const {
+    return {state_->idle_bytes.load(std::memory_order_relaxed),
+            state_->in_use_bytes.load(std::memory_order_relaxed),
+            state_->peak_in_use_bytes.load(std::memory_order_relaxed)};
+  }
+
   std::shared_ptr<std::byte> allocate(size_t bytes) override {
     const size_t units = (std::max(bytes, kMinClassBytes) + kMinClassBytes - 1) / kMinClassBytes;
     const auto size_class = static_cast<size_t>(std::bit_width(units - 1));
@@ -151,9 +177,11 @@ class RecyclingAllocator final : public BufferAllocator {
     Block* block = nullptr;
     if (state_->free_lists[size_class].try_dequeue(block)) {
       state_->free_counts[size_class].fetch_sub(1, std::memory_order_relaxed);
+      state_->idle_bytes.fetch_sub(block->capacity(), std::memory_order_relaxed);
     } else {
       block = state_->new_block(size_class);
     }
+    state_->note_handed_out(block->capacity());
     block->pool = state_;
     return std::shared_ptr<std::byte>(block->data(), BlockTag{block}, InBlockAllocator<std::byte>(block));
   }
@@ -172,6 +200,16 @@ std::shared_ptr<BufferAllocator> make_pinned_allocator(std::shared_ptr<TransferD
                                                        size_t max_free_per_class) {
   CONVEYOR_CHECK(device != nullptr, "a pinned pool needs a device");
   return std::make_shared<RecyclingAllocator>(max_free_per_class, std::move(device));
+}
+
+PoolStats pool_stats(const BufferAllocator& pool) {
+  const auto* recycling = dynamic_cast<const RecyclingAllocator*>(&pool);
+  CONVEYOR_CHECK(recycling != nullptr, "pool_stats of an allocator that is not a pool");
+  return recycling->stats();
+}
+
+bool is_pool_buffer(const std::shared_ptr<void>& owner) {
+  return std::get_deleter<BlockTag>(owner) != nullptr;
 }
 
 std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner) {

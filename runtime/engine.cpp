@@ -39,6 +39,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -82,35 +83,54 @@ inline void cpu_relax() {
 // libtbb is not built with TSan, so two things TBB synchronises are invisible
 // to it: handing a task from the thread that enqueues it to the worker that
 // runs it, and reusing a finished task's memory (TBB's small-object pool) for
-// the next one. Handoff announces both on one token: construction and the end
-// of destruction release; the start of construction and of the run acquire.
+// the next task placed there. Handoff announces both on the task's own
+// address, so TSan learns only the orders TBB really gives: construction (in
+// the task's memory) and the end of destruction release; the start of
+// construction and of the run acquire. Tasks that never share memory stay
+// unordered for TSan, and a race between them is still reported. The end of
+// destruction also releases the task's group, which the engine acquires once
+// it has waited for the group: all tasks are done before it tears down.
 // Outside TSan builds all of this compiles to nothing.
 #if CONVEYOR_TSAN
-char tsan_handoff_token;
-inline void tsan_release() { __tsan_release(&tsan_handoff_token); }
-inline void tsan_acquire() { __tsan_acquire(&tsan_handoff_token); }
+inline void tsan_release(const void* task) { __tsan_release(const_cast<void*>(task)); }
+inline void tsan_acquire(const void* task) { __tsan_acquire(const_cast<void*>(task)); }
 #else
-inline void tsan_release() {}
-inline void tsan_acquire() {}
+inline void tsan_release(const void*) {}
+inline void tsan_acquire(const void*) {}
 #endif
 
 // Runs first and last in a Handoff's life: base classes are built before and
-// destroyed after the members.
+// destroyed after the members. Its address is the Handoff's (the first base).
 struct HandoffFence {
-  HandoffFence() { tsan_acquire(); }
-  HandoffFence(const HandoffFence&) { tsan_acquire(); }
-  ~HandoffFence() { tsan_release(); }
+  // The acquire comes before the first write into the task's memory, and the
+  // destructor reads everything before its release.
+  explicit HandoffFence(const void* task_group) {
+    tsan_acquire(this);
+    group = task_group;
+  }
+  HandoffFence(const HandoffFence& other) {
+    tsan_acquire(this);
+    group = other.group;
+  }
+  ~HandoffFence() {
+    const void* task_group = group;
+    tsan_release(this);
+    tsan_release(task_group);
+  }
+  const void* group;
 };
 
 template <class F>
 class Handoff : private HandoffFence {
  public:
-  explicit Handoff(F f) : f_(std::move(f)) { tsan_release(); }
-  Handoff(Handoff&& other) noexcept : HandoffFence(), f_(std::move(other.f_)) { tsan_release(); }
-  Handoff(const Handoff& other) : HandoffFence(), f_(other.f_) { tsan_release(); }
+  Handoff(const void* task_group, F f) : HandoffFence(task_group), f_(std::move(f)) {
+    tsan_release(this);
+  }
+  Handoff(Handoff&& other) noexcept : HandoffFence(other), f_(std::move(other.f_)) { tsan_release(this); }
+  Handoff(const Handoff& other) : HandoffFence(other), f_(other.f_) { tsan_release(this); }
   Handoff& operator=(const Handoff&) = delete;
   void operator()() const {
-    tsan_acquire();
+    tsan_acquire(this);
     f_();
   }
 
@@ -125,9 +145,12 @@ class Handoff : private HandoffFence {
 // raised to cover all reservations (never lowered below the default).
 class ThreadReservations {
  public:
+  // Never destroyed: an engine finishing in the background (see
+  // finish_in_background) may still release its workers while the process
+  // runs its static destructors.
   static ThreadReservations& instance() {
-    static ThreadReservations reservations;
-    return reservations;
+    static auto* reservations = new ThreadReservations;
+    return *reservations;
   }
 
   void acquire(size_t workers) {
@@ -156,22 +179,63 @@ class ThreadReservations {
         tbb::global_control::max_allowed_parallelism, wanted);
     control_ = std::move(next);
     applied_ = wanted;
+    // oneTBB fixes its worker-thread limit when its first arena starts (our
+    // first engine, if nothing in the process used TBB before).
+    if (limit_at_start_ == 0) limit_at_start_ = wanted;
     const size_t active =
         tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism);
-    if (active < wanted && !warned_) {
-      warned_ = true;
-      warn("TBB's max_allowed_parallelism is held at " + std::to_string(active) +
-           " by another tbb::global_control; DataLoader workers beyond " +
-           std::to_string(active - 1) + " will wait for a thread");
+    const size_t limit = tbb_worker_limit(limit_at_start_);
+    // Once per cause, not once per engine.
+    bool& warned = active < reserved_ + 1 ? warned_held_by_other_ : warned_beyond_tbb_;
+    const std::string warning = thread_limit_warning(reserved_, active, limit);
+    if (!warning.empty() && !warned) {
+      warned = true;
+      warn(warning);
     }
   }
 
   std::mutex mutex_;
   size_t reserved_ = 0;
   size_t applied_ = 0;
-  bool warned_ = false;
+  size_t limit_at_start_ = 0;
+  bool warned_held_by_other_ = false;
+  bool warned_beyond_tbb_ = false;
   std::unique_ptr<tbb::global_control> control_;
 };
+
+}  // namespace
+
+// oneTBB's market (src/tbb/market.cpp) starts at most
+// max(factor * default_concurrency, 256, the parallelism limit in force when
+// the market started) worker threads in a process, factor 4 up to 128 cores
+// and 2 beyond, whatever a global_control allows later.
+size_t tbb_worker_limit(size_t parallelism_at_start) {
+  const auto cores = static_cast<size_t>(tbb::info::default_concurrency());
+  const size_t factor = cores <= 128 ? 4 : 2;
+  return std::max({factor * cores, size_t{256}, parallelism_at_start});
+}
+
+std::string thread_limit_warning(size_t workers_wanted, size_t parallelism_in_force,
+                                 size_t tbb_worker_limit) {
+  const std::string wanted = std::to_string(workers_wanted);
+  if (parallelism_in_force < workers_wanted + 1) {
+    return "TBB's max_allowed_parallelism is held at " + std::to_string(parallelism_in_force) +
+           " by another tbb::global_control in this process, below the " + wanted +
+           " DataLoader worker threads that want to run at once; workers beyond " +
+           std::to_string(parallelism_in_force == 0 ? 0 : parallelism_in_force - 1) +
+           " will wait for a thread";
+  }
+  if (workers_wanted > tbb_worker_limit) {
+    return std::to_string(workers_wanted) +
+           " DataLoader worker threads want to run at once, but oneTBB starts at most " +
+           std::to_string(tbb_worker_limit) +
+           " worker threads in a process (its own limit: the larger of 256 and 4 per core, or "
+           "the limit in force when TBB started); workers beyond that wait for a thread";
+  }
+  return {};
+}
+
+namespace {
 
 class ThreadReservation {
  public:
@@ -195,6 +259,23 @@ uint64_t mix(uint64_t x) {
 }
 
 }  // namespace
+
+void finish_in_background(std::function<void()> work) noexcept {
+  // Shared, so that `work` survives a thread that fails to start.
+  auto shared_work = std::make_shared<std::function<void()>>(std::move(work));
+  const auto run = [](const std::function<void()>& w) noexcept {
+    try {
+      w();
+    } catch (...) {
+      // Stopping never throws; nothing here to report it to.
+    }
+  };
+  try {
+    std::thread([shared_work, run] { run(*shared_work); }).detach();
+  } catch (...) {
+    run(*shared_work);  // no thread to be had: finish here, waiting
+  }
+}
 
 uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index) {
   return mix(mix(mix(static_cast<uint64_t>(base_seed)) ^ epoch) ^ batch_index);
@@ -438,7 +519,7 @@ struct Engine::Impl {
     // Waited on from outside the arena: arena.execute() could hand the wait
     // to a worker. The acquire pairs with each Handoff's destructor.
     drain_tasks.wait();
-    tsan_acquire();
+    tsan_acquire(&drain_tasks);
   }
 
   const EngineConfig& config() const { return shared->config; }
@@ -507,7 +588,8 @@ struct Engine::Impl {
     uint32_t running = lane.drains.load(std::memory_order_acquire);
     while (running < lane.max_drains) {
       if (lane.drains.compare_exchange_weak(running, running + 1, std::memory_order_acq_rel)) {
-        arena.enqueue(drain_tasks.defer(Handoff([keep = shared, &lane] { drain(*keep, lane); })));
+        arena.enqueue(
+            drain_tasks.defer(Handoff(&drain_tasks, [keep = shared, &lane] { drain(*keep, lane); })));
         break;
       }
     }
@@ -540,28 +622,38 @@ struct Engine::Impl {
     }
   }
 
-  ReadyBatch wait_ready() {
-    CONVEYOR_CHECK(in_flight > 0, "wait_ready with nothing in flight");
+  Clock::time_point deadline_from_now() const {
     const auto timeout = config().timeout;
-    const bool has_deadline = timeout.count() > 0;
-    const auto deadline = has_deadline ? Clock::now() + timeout : Clock::time_point::max();
+    return timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
+  }
+
+  ReadyBatch wait_ready(Clock::time_point deadline) {
+    CONVEYOR_CHECK(in_flight > taken, "wait_ready with nothing in flight");
+    const bool has_deadline = deadline != Clock::time_point::max();
+    ReadyBatch ready;
+    if (!wait_until([&] { return try_ready(ready); }, deadline, has_deadline)) {
+      throw_timeout(config().in_order ? expect_slot : oldest_in_flight());
+    }
+    return ready;
+  }
+
+  bool try_ready(ReadyBatch& ready) {
+    CONVEYOR_CHECK(in_flight > taken, "try_ready with nothing in flight");
     if (config().in_order) {
       const uint32_t slot = expect_slot;
-      const uint64_t turn = meta[slot].seq + 1;
-      std::atomic<uint64_t>& published = shared->slots[slot].turn;
-      const auto ready = [&] {
-        return published.load(std::memory_order_acquire) == turn;  // (C1) pairs with (P1)
-      };
-      if (!wait_until(ready, deadline, has_deadline)) throw_timeout(slot);
-      return meta[slot];
+      // (C1) pairs with (P1).
+      if (shared->slots[slot].turn.load(std::memory_order_acquire) != meta[slot].seq + 1) return false;
+      ready = meta[slot];
+      return true;
     }
     uint32_t slot = 0;
-    const auto ready = [&] { return shared->completed.try_dequeue(slot); };
-    if (!wait_until(ready, deadline, has_deadline)) throw_timeout(oldest_in_flight());
+    if (!shared->completed.try_dequeue(slot)) return false;
     // The queue delivered the slot after its turn was stored; check anyway.
     CONVEYOR_CHECK(shared->slots[slot].turn.load(std::memory_order_acquire) == meta[slot].seq + 1,
                    "a completed slot without its turn");
-    return meta[slot];
+    ++taken;
+    ready = meta[slot];
+    return true;
   }
 
   uint32_t oldest_in_flight() const {
@@ -608,26 +700,38 @@ struct Engine::Impl {
       expect_slot = static_cast<uint32_t>((expect_slot + 1) % config().window);
     } else {
       free_slots.push_back(ready.slot);
+      --taken;
     }
     --in_flight;
     ++released;
   }
 
   // Every job publishes its slot exactly once, run or skipped; so once each
-  // in-flight slot shows its turn, no job of this pass touches the runner any
+  // in-flight job has published, no job of this pass touches the runner any
   // more (nothing but the publication itself follows a run).
+  // In order, publication is the turn store: wait for each in-flight turn.
+  // Out of order it ends with the slot's enqueue on `completed`, after the
+  // turn: count those in instead (a turn alone could leave a stale slot to
+  // reach the next pass's wait_ready).
   void cancel() noexcept {
     if (in_flight == 0) return;
     generation = shared->generation.fetch_add(1, std::memory_order_acq_rel) + 1;
-    for (uint32_t slot = 0; slot < meta.size(); ++slot) {
-      if (!slot_in_flight(slot)) continue;
-      std::atomic<uint64_t>& turn = shared->slots[slot].turn;
-      const uint64_t want = meta[slot].seq + 1;
-      wait_until([&] { return turn.load(std::memory_order_acquire) == want; },  // (C1)
-                 Clock::time_point::max(), false);
-    }
-    uint32_t drained = 0;
-    while (shared->completed.try_dequeue(drained)) {
+    if (config().in_order) {
+      for (uint32_t slot = 0; slot < meta.size(); ++slot) {
+        if (!slot_in_flight(slot)) continue;
+        std::atomic<uint64_t>& turn = shared->slots[slot].turn;
+        const uint64_t want = meta[slot].seq + 1;
+        wait_until([&] { return turn.load(std::memory_order_acquire) == want; },  // (C1)
+                   Clock::time_point::max(), false);
+      }
+    } else {
+      // The in-flight slots not yet taken by wait_ready() are each enqueued
+      // exactly once; the queue's dequeue acquires what the worker released.
+      for (size_t outstanding = in_flight - taken; outstanding > 0; --outstanding) {
+        uint32_t drained = 0;
+        wait_until([&] { return shared->completed.try_dequeue(drained); }, Clock::time_point::max(),
+                   false);
+      }
     }
     for (uint32_t s = 0; s < config().window; ++s) shared->runner->clear(s);
     free_slots.clear();
@@ -635,6 +739,7 @@ struct Engine::Impl {
     issue_slot = expect_slot = 0;
     released += in_flight;
     in_flight = 0;
+    taken = 0;
   }
 
   // Whether `slot` holds a job submitted and not yet released.
@@ -672,6 +777,8 @@ struct Engine::Impl {
   uint32_t issue_slot = 0;
   uint32_t expect_slot = 0;
   size_t in_flight = 0;
+  // Out of order: slots wait_ready() took off `completed`, not yet released.
+  size_t taken = 0;
   uint64_t submitted = 0;
   uint64_t released = 0;
 };
@@ -683,7 +790,9 @@ Engine::~Engine() = default;
 void Engine::begin_epoch(int64_t base_seed, uint64_t epoch) { impl_->begin_epoch(base_seed, epoch); }
 bool Engine::has_room() const noexcept { return impl_->has_room(); }
 void Engine::submit(int worker, std::span<const size_t> indices) { impl_->submit(worker, indices); }
-ReadyBatch Engine::wait_ready() { return impl_->wait_ready(); }
+ReadyBatch Engine::wait_ready(Clock::time_point deadline) { return impl_->wait_ready(deadline); }
+bool Engine::try_ready(ReadyBatch& ready) { return impl_->try_ready(ready); }
+Clock::time_point Engine::deadline_from_now() const noexcept { return impl_->deadline_from_now(); }
 void Engine::release(const ReadyBatch& ready) noexcept { impl_->release(ready); }
 void Engine::cancel() noexcept { impl_->cancel(); }
 size_t Engine::num_workers() const noexcept { return impl_->config().num_workers; }

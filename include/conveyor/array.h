@@ -12,8 +12,19 @@
 #include <vector>
 
 #include "conveyor/buffer.h"
+#include "conveyor/errors.h"
 
 namespace conveyor {
+
+// "[3, 32, 32]", as torch prints sizes.
+inline std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  return text + "]";
+}
 
 // Row-major, contiguous, owning (through a shared buffer: copies share
 // elements, like tensors). conveyor/torch.h turns one into a torch::Tensor
@@ -25,10 +36,20 @@ class Array {
  public:
   using value_type = T;
 
+  // No elements and no memory (numel() == 0).
   Array() = default;
-  // Uninitialised elements, from allocate_batch_buffer().
+  // Uninitialised elements, from allocate_batch_buffer(). A shape of {} is a
+  // scalar: one element. Throws ValueError for a negative extent or a size
+  // beyond memory.
   explicit Array(std::vector<int64_t> shape) : shape_(std::move(shape)) {
-    const size_t count = numel();
+    size_t count = 1;
+    for (int64_t extent : shape_) {
+      if (extent < 0) throw ValueError("Array: negative extent in shape " + shape_string(shape_));
+      if (extent != 0 && count > SIZE_MAX / sizeof(T) / static_cast<size_t>(extent)) {
+        throw ValueError("Array: shape " + shape_string(shape_) + " holds more bytes than memory can");
+      }
+      count *= static_cast<size_t>(extent);
+    }
     std::shared_ptr<std::byte> buffer = allocate_batch_buffer(count * sizeof(T));
     data_ = reinterpret_cast<T*>(buffer.get());
     owner_ = std::move(buffer);
@@ -39,6 +60,8 @@ class Array {
 
   const std::vector<int64_t>& shape() const noexcept { return shape_; }
   int64_t dim() const noexcept { return static_cast<int64_t>(shape_.size()); }
+  // Elements: the product of the shape (1 for a scalar), 0 when default
+  // constructed.
   size_t numel() const noexcept {
     size_t count = 1;
     for (int64_t extent : shape_) count *= static_cast<size_t>(extent);
@@ -60,15 +83,5 @@ class Array {
   T* data_ = nullptr;
   std::shared_ptr<void> owner_;
 };
-
-// "[3, 32, 32]", as torch prints sizes.
-inline std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  return text + "]";
-}
 
 }  // namespace conveyor

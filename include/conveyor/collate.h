@@ -319,6 +319,33 @@ struct DefaultCollate {
   }
 };
 
+// default_collate into a batch type of your own, so that a batch of
+// aggregate samples keeps its field names (default_collate alone makes a
+// std::tuple of them). Batch is an aggregate with one field per sample
+// field, in order, each taking what default_collate makes of that field:
+//
+//   struct Sample { Array<float> image; int64_t label; };
+//   struct Batch  { Array<float> image; Array<int64_t> label; };
+//   conveyor::DataLoader loader(dataset, options, conveyor::CollateInto<Batch>{});
+//   for (Batch& batch : loader) step(batch.image, batch.label);  // [B, ...], [B]
+//
+// Also for std::tuple and std::pair samples.
+template <class Batch>
+struct CollateInto {
+  template <class T>
+  Batch operator()(std::vector<T>&& batch) const {
+    auto fields = default_collate(std::move(batch));
+    return std::apply(
+        []<class... Fields>(Fields&&... collated) {
+          static_assert(requires { Batch{std::declval<Fields>()...}; },
+                        "CollateInto<Batch>: Batch must be an aggregate whose fields, in order, "
+                        "take what default_collate makes of each sample field");
+          return Batch{std::forward<Fields>(collated)...};
+        },
+        std::move(fields));
+  }
+};
+
 // default_convert: with batch_size = nullopt (no auto-batching) each sample
 // is handed to the consumer as it is. C++ samples are already in their final
 // types, so this is the identity.

@@ -38,6 +38,7 @@
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/detail/threaded_source.h"
 #include "conveyor/detail/transfer_stage.h"
+#include "conveyor/detail/type_name.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/metrics.h"
@@ -99,6 +100,24 @@ class DataLoader {
     // The base seed this epoch drew (PyTorch's _base_seed).
     int64_t base_seed() const noexcept { return base_seed_; }
 
+    Epoch(Epoch&&) noexcept = default;
+    Epoch& operator=(Epoch&& other) noexcept {
+      if (this != &other) {
+        keep_metrics();
+        core_ = std::move(other.core_);
+        base_seed_ = other.base_seed_;
+        source_ = std::move(other.source_);
+        transfer_ = std::exchange(other.transfer_, nullptr);
+        started_ = other.started_;
+        wait_ns_ = other.wait_ns_;
+        yielded_ = other.yielded_;
+      }
+      return *this;
+    }
+    // Stops the epoch's workers (see ThreadedSource) and leaves its metrics
+    // with the loader: DataLoader::last_metrics().
+    ~Epoch() { keep_metrics(); }
+
     // With prefetch_to_device: the device copy of the batch next() returned
     // last (its buffers in transfer_traits order and its ready event). Empty
     // otherwise.
@@ -121,22 +140,33 @@ class DataLoader {
       }
     }
 
+    void keep_metrics() noexcept {
+      if (!source_ || !core_) return;  // moved from
+      try {
+        core_->last_metrics = metrics();
+      } catch (...) {
+        // Metrics are a report: losing one never stops a loader.
+      }
+    }
+
+    // PyTorch's warning for an IterableDataset that yields more than its
+    // len() said, at every item past it. It counts what the loader hands out:
+    // batches, or samples when batch_size is None.
     void note_yielded() {
       ++yielded_;
       const std::optional<size_t>& reported = core_->reported_length;
-      if (reported && yielded_ > *reported && !warned_) {
-        warned_ = true;
-        std::string message = "Length of IterableDataset was reported to be " +
-                              std::to_string(*reported) +
-                              " (when accessing len(dataloader)), but " +
-                              std::to_string(yielded_) + " samples have been fetched. ";
-        if (core_->plan.num_workers > 0) {
-          message +=
-              "For multiprocessing data-loading, this could be caused by not properly "
-              "configuring the IterableDataset replica at each worker.";
-        }
-        warn(message);
+      if (!reported || yielded_ <= *reported) return;
+      std::string message = "Length of IterableDataset " + detail::type_name(typeid(D)) +
+                            " was reported to be " + std::to_string(*reported) +
+                            " (when accessing len(dataloader)), but " + std::to_string(yielded_) +
+                            (core_->plan.auto_collation ? " batches" : " samples") +
+                            " have been fetched. ";
+      if (core_->plan.num_workers > 0) {
+        message +=
+            "For multiprocessing data-loading, this could be caused by not properly "
+            "configuring the IterableDataset replica at each worker.";
       }
+      warn(message);
     }
 
     std::shared_ptr<Core> core_;
@@ -146,11 +176,12 @@ class DataLoader {
     std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
     int64_t wait_ns_ = 0;
     size_t yielded_ = 0;
-    bool warned_ = false;
   };
 
   // Range-for support: an input iterator over one epoch. If ++ throws, the
   // iterator becomes end(); to go on past failed batches use iter()/next().
+  // The batch lives in one place for the whole epoch (no allocation per
+  // batch).
   class iterator {
    public:
     using value_type = batch_type;
@@ -158,27 +189,34 @@ class DataLoader {
     using iterator_concept = std::input_iterator_tag;
 
     iterator() = default;
-    batch_type& operator*() const { return *current_; }
-    batch_type* operator->() const { return &*current_; }
+    batch_type& operator*() const { return **current_; }
+    batch_type* operator->() const { return &**current_; }
     iterator& operator++() {
-      current_.reset();
-      // Held through a pointer, not a std::optional member: GCC 12 reports
-      // optional<Batch> members of inlined iterators as maybe-uninitialized
-      // in users' -Werror builds.
+      // The batch handed out before goes first: the consumer holds one batch
+      // at a time, as the window's bound counts. Its home stays.
+      if (current_) current_->reset();
       std::optional<batch_type> next = epoch_->next();
-      if (next) current_ = std::make_unique<batch_type>(std::move(*next));
+      if (!next) return *this;
+      if (!current_) current_ = std::make_unique<std::optional<batch_type>>();
+      current_->emplace(std::move(*next));
       return *this;
     }
     void operator++(int) { ++*this; }
     friend bool operator==(const iterator& it, std::default_sentinel_t) noexcept {
-      return it.current_ == nullptr;
+      return !it.current_ || !it.current_->has_value();
     }
+
+    // The epoch behind the loop: its metrics so far, its base seed.
+    const Epoch& epoch() const noexcept { return *epoch_; }
 
    private:
     friend class DataLoader;
     explicit iterator(Epoch epoch) : epoch_(std::make_unique<Epoch>(std::move(epoch))) { ++*this; }
     std::unique_ptr<Epoch> epoch_;
-    std::unique_ptr<batch_type> current_;
+    // On the heap, not a std::optional member: GCC 12 reports optional<Batch>
+    // members of inlined iterators as maybe-uninitialized in users' -Werror
+    // builds. Allocated once per epoch.
+    std::unique_ptr<std::optional<batch_type>> current_;
   };
 
   // Starts an epoch. With persistent_workers only one epoch may be live at a
@@ -209,7 +247,7 @@ class DataLoader {
     std::optional<size_t> samples;
     if constexpr (IterableStyleDataset<D>) samples = core_->dataset->size();
     if (!samples) {
-      throw TypeError(std::string("object of type '") + typeid(D).name() + "' has no len()");
+      throw TypeError("object of type '" + detail::type_name(typeid(D)) + "' has no len()");
     }
     size_t length = *samples;
     if (plan.auto_collation) {
@@ -229,6 +267,10 @@ class DataLoader {
     if constexpr (requires(D& d) { d.set_epoch(epoch); }) core_->dataset->set_epoch(epoch);
   }
 
+  // What the last epoch spent where, once it has ended or been dropped (a
+  // range-for's epoch ends with its loop); nullopt before any has.
+  const std::optional<LoaderMetrics>& last_metrics() const noexcept { return core_->last_metrics; }
+
   const LoaderOptions& options() const noexcept { return options_; }
   D& dataset() const noexcept { return *core_->dataset; }
 
@@ -236,9 +278,12 @@ class DataLoader {
   static detail::LoaderPlan plan(const D& dataset, const LoaderOptions& options) {
     detail::LoaderPlan plan;
     if constexpr (MapStyleDataset<D>) {
-      plan = detail::plan_loader(options, detail::DatasetKind::map, dataset.size());
+      // Read at every pass, as PyTorch reads len(dataset) at each epoch. The
+      // loader's core keeps the dataset alive as long as the samplers.
+      plan = detail::plan_loader(options, detail::DatasetKind::map,
+                                 [&dataset] { return static_cast<size_t>(dataset.size()); });
     } else {
-      plan = detail::plan_loader(options, detail::DatasetKind::iterable, 0);
+      plan = detail::plan_loader(options, detail::DatasetKind::iterable, [] { return size_t{0}; });
     }
     using Fit = detail::batch_of<sample_type, C>;
     if (plan.auto_collation && !Fit::kTakesBatch) {

@@ -76,7 +76,8 @@ class Generator {
 // conveyor/worker_info.h.
 Generator& default_generator();
 
-// torch.manual_seed(): reseeds the process-wide default generator.
+// torch.manual_seed(): reseeds default_generator(): the process-wide one, or,
+// called on a loader's worker (in worker_init_fn, say), that worker's.
 void manual_seed(uint64_t seed);
 
 // ---- draws, each the CPU kernel of the named torch op ----------------------

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,16 +52,22 @@ std::vector<Index> collect(Sampler<Index>& sampler) {
   return out;
 }
 
+// How many items a sampler covers: read again at every pass and every
+// size(), as Python's samplers read len(data_source), so a dataset that grows
+// or shrinks between epochs is sampled whole.
+using DataSize = std::function<size_t()>;
+
 // 0, 1, ..., size-1.
 class SequentialSampler final : public Sampler<size_t> {
  public:
-  explicit SequentialSampler(size_t data_size) : size_(data_size) {}
-  size_t size() const override { return size_; }
+  explicit SequentialSampler(size_t data_size) : size_([data_size] { return data_size; }) {}
+  explicit SequentialSampler(DataSize data_size) : size_(std::move(data_size)) {}
+  size_t size() const override { return size_(); }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "SequentialSampler"; }
 
  private:
-  size_t size_;
+  DataSize size_;
 };
 
 // A shuffled pass. Without replacement: one randperm per whole pass of
@@ -73,17 +80,22 @@ class RandomSampler final : public Sampler<size_t> {
   explicit RandomSampler(size_t data_size, bool replacement = false,
                          std::optional<int64_t> num_samples = std::nullopt,
                          std::optional<Generator> generator = std::nullopt);
-  size_t size() const override { return num_samples_; }
+  // The data size read at every pass; so is num_samples when not given.
+  explicit RandomSampler(DataSize data_size, bool replacement = false,
+                         std::optional<int64_t> num_samples = std::nullopt,
+                         std::optional<Generator> generator = std::nullopt);
+  size_t size() const override { return num_samples(); }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "RandomSampler"; }
 
-  size_t num_samples() const { return num_samples_; }
+  size_t num_samples() const { return num_samples_ ? *num_samples_ : data_size_(); }
+  size_t data_size() const { return data_size_(); }
   bool replacement() const { return replacement_; }
 
  private:
-  size_t data_size_;
+  DataSize data_size_;
   bool replacement_;
-  size_t num_samples_;
+  std::optional<size_t> num_samples_;  // nullopt: the data size
   std::optional<Generator> generator_;
 };
 

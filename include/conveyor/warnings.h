@@ -16,4 +16,10 @@ WarningHandler set_warning_handler(WarningHandler handler);
 // Sends `message` to the current handler.
 void warn(const std::string& message);
 
+namespace detail {
+// warn(), the first time this process sees `message` (Python's default
+// warnings filter: a repeated warning with the same text shows once).
+void warn_once(const std::string& message);
+}  // namespace detail
+
 }  // namespace conveyor

@@ -123,7 +123,9 @@ Generator& default_generator() {
   return process_generator();
 }
 
-void manual_seed(uint64_t seed) { process_generator().manual_seed(seed); }
+// On a loader's worker this is the worker's generator, as torch.manual_seed
+// in a worker process seeds that process's default generator.
+void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 
 // random_() on an int64 tensor: random64() % (INT64_MAX + 1).
 int64_t draw_seed(Generator& g) {

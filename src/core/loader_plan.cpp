@@ -1,8 +1,11 @@
 #include "conveyor/detail/loader_plan.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "conveyor/detail/buffer_pool.h"
@@ -42,13 +45,41 @@ class SingletonBatches final : public Sampler<BatchIndices> {
   std::shared_ptr<Sampler<size_t>> sampler_;
 };
 
+// CPUs this process may run on (PyTorch: len(os.sched_getaffinity(0))).
+size_t usable_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<size_t>(CPU_COUNT(&set));
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// PyTorch's _check_worker_number_rationality, at construction: more workers
+// than CPUs may be what an I/O-bound loader wants, but it should be a choice.
+void check_worker_count(size_t workers) {
+  const size_t cpus = usable_cpus();
+  if (workers <= cpus) return;
+  warn_once("This DataLoader will create " + std::to_string(workers) +
+       " worker threads in total. Our suggested max number of worker in current system is " +
+       std::to_string(cpus) +
+       ", which is smaller than what this DataLoader is going to create. Please be aware that "
+       "excessive worker creation might get DataLoader running slow or even freeze, lower the "
+       "worker number to avoid potential slowness/freeze if necessary.");
+}
+
 }  // namespace
 
-LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t map_size) {
+LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize map_size) {
   if (options.num_workers < 0) {
     throw ValueError(
         "num_workers option should be non-negative; use num_workers=0 to disable "
         "multiprocessing.");
+  }
+  if (static_cast<size_t>(options.num_workers) > kMaxWorkers) {
+    throw ValueError("num_workers option should be at most " + std::to_string(kMaxWorkers) +
+                     " (each worker is a thread), but got num_workers=" +
+                     std::to_string(options.num_workers));
   }
   if (options.timeout < 0 || std::isnan(options.timeout)) {
     throw ValueError("timeout option should be non-negative");
@@ -61,6 +92,14 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t ma
   if (options.prefetch_factor <= 0) {  // Python: a bare assert
     throw ValueError("prefetch_factor option should be positive, but got prefetch_factor=" +
                      std::to_string(options.prefetch_factor));
+  }
+  const size_t window = static_cast<size_t>(options.num_workers) * static_cast<size_t>(options.prefetch_factor);
+  if (window > kMaxWindow) {
+    throw ValueError("prefetch_factor option asks for prefetch_factor * num_workers = " +
+                     std::to_string(options.prefetch_factor) + " * " +
+                     std::to_string(options.num_workers) + " = " + std::to_string(window) +
+                     " batches in flight, more than the " + std::to_string(kMaxWindow) +
+                     " a reorder window holds; lower prefetch_factor");
   }
   if (options.persistent_workers && options.num_workers == 0) {
     throw ValueError("persistent_workers option needs num_workers > 0");
@@ -102,9 +141,9 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t ma
     throw ValueError(
         "batch_size=None option disables auto-batching and is mutually exclusive with drop_last");
   }
-  if (options.prefetch_to_device < 0) {
-    throw ValueError("prefetch_to_device option should be non-negative, but got prefetch_to_device=" +
-                     std::to_string(options.prefetch_to_device));
+  if (options.prefetch_to_device < 0 || static_cast<size_t>(options.prefetch_to_device) > kMaxWindow) {
+    throw ValueError("prefetch_to_device option should be in [0, " + std::to_string(kMaxWindow) +
+                     "], but got prefetch_to_device=" + std::to_string(options.prefetch_to_device));
   }
   if (options.prefetch_to_device > 0 && !options.pin_memory) {
     throw ValueError("prefetch_to_device needs pin_memory=True: device copies start from pinned memory");
@@ -146,7 +185,8 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t ma
   }
 
   plan.num_workers = static_cast<size_t>(options.num_workers);
-  plan.window = plan.num_workers * static_cast<size_t>(options.prefetch_factor);
+  plan.window = window;
+  check_worker_count(plan.num_workers);
   // Clamped so that an enormous timeout cannot overflow the nanosecond count.
   plan.timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::duration<double>(std::min(options.timeout, 1e9)));

@@ -73,12 +73,8 @@ class SequentialIterator final : public SamplerIterator<size_t> {
 // remainder draw happens even when the remainder is empty.
 class RandomIterator final : public SamplerIterator<size_t> {
  public:
-  RandomIterator(size_t data_size, bool replacement, size_t num_samples,
-                 std::optional<Generator> generator)
-      : data_size_(data_size),
-        replacement_(replacement),
-        num_samples_(num_samples),
-        shared_generator_(std::move(generator)) {}
+  RandomIterator(const RandomSampler& sampler, std::optional<Generator> generator)
+      : sampler_(sampler), replacement_(sampler.replacement()), shared_generator_(std::move(generator)) {}
 
   bool next(size_t& out) override {
     if (!started_) start();
@@ -93,8 +89,12 @@ class RandomIterator final : public SamplerIterator<size_t> {
  private:
   static constexpr size_t kChunk = 32;
 
+  // Where Python's generator body starts: it reads len(data_source) and
+  // num_samples here.
   void start() {
     started_ = true;
+    data_size_ = sampler_.data_size();
+    num_samples_ = sampler_.num_samples();
     if (!shared_generator_) {
       generator_ = Generator(static_cast<uint64_t>(draw_seed(default_generator())));
     } else {
@@ -129,9 +129,10 @@ class RandomIterator final : public SamplerIterator<size_t> {
     }
   }
 
-  size_t data_size_;
+  const RandomSampler& sampler_;  // outlives its passes (Sampler's contract)
   bool replacement_;
-  size_t num_samples_;
+  size_t data_size_ = 0;
+  size_t num_samples_ = 0;
   std::optional<Generator> shared_generator_;
   Generator generator_;
   bool started_ = false;
@@ -150,7 +151,7 @@ class BatchIterator final : public SamplerIterator<BatchIndices> {
   bool next(BatchIndices& out) override {
     out.clear();
     if (done_) return false;
-    out.reserve(batch_size_);
+    out.reserve(std::min<size_t>(batch_size_, 1024));  // batch_size may be far above the data
     size_t index = 0;
     while (out.size() < batch_size_) {
       if (!indices_->next(index)) {
@@ -178,23 +179,30 @@ size_t ceil_div(size_t a, size_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 std::unique_ptr<SamplerIterator<size_t>> SequentialSampler::iter() {
-  return std::make_unique<SequentialIterator>(size_);
+  return std::make_unique<SequentialIterator>(size_());
 }
 
 RandomSampler::RandomSampler(size_t data_size, bool replacement,
                              std::optional<int64_t> num_samples,
                              std::optional<Generator> generator)
-    : data_size_(data_size), replacement_(replacement), generator_(std::move(generator)) {
-  const int64_t resolved = num_samples.value_or(static_cast<int64_t>(data_size));
+    : RandomSampler(DataSize([data_size] { return data_size; }), replacement, num_samples,
+                    std::move(generator)) {}
+
+RandomSampler::RandomSampler(DataSize data_size, bool replacement,
+                             std::optional<int64_t> num_samples,
+                             std::optional<Generator> generator)
+    : data_size_(std::move(data_size)), replacement_(replacement), generator_(std::move(generator)) {
+  // Python checks the num_samples property once, at construction.
+  const int64_t resolved = num_samples.value_or(static_cast<int64_t>(data_size_()));
   if (resolved <= 0) {
     throw ValueError("num_samples should be a positive integer value, but got num_samples=" +
                      std::to_string(resolved));
   }
-  num_samples_ = static_cast<size_t>(resolved);
+  if (num_samples) num_samples_ = static_cast<size_t>(*num_samples);
 }
 
 std::unique_ptr<SamplerIterator<size_t>> RandomSampler::iter() {
-  return std::make_unique<RandomIterator>(data_size_, replacement_, num_samples_, generator_);
+  return std::make_unique<RandomIterator>(*this, generator_);
 }
 
 SubsetRandomSampler::SubsetRandomSampler(std::vector<size_t> indices,

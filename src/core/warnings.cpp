@@ -2,6 +2,7 @@
 
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <utility>
 
 namespace conveyor {
@@ -31,5 +32,17 @@ void warn(const std::string& message) {
   }
   if (current) current(message);
 }
+
+namespace detail {
+void warn_once(const std::string& message) {
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  {
+    std::lock_guard lock(mutex);
+    if (!seen.insert(message).second) return;
+  }
+  warn(message);
+}
+}  // namespace detail
 
 }  // namespace conveyor

@@ -341,6 +341,29 @@ TEST(PersistentWorkers, InitOnceBaseSeedOnceOneLiveEpoch) {
   EXPECT_THROW(loader.iter(), conveyor::RuntimeError);
 }
 
+TEST(WorkerInfo, ManualSeedInWorkerInitFnSeedsThatWorkersGenerator) {
+  // PyTorch's idiom: torch.manual_seed in worker_init_fn seeds the worker
+  // process's default generator. Here it used to reseed the process-wide one
+  // from a worker thread.
+  const std::vector<uint8_t> process_before = conveyor::default_generator().get_state();
+  Augmented dataset;
+  conveyor::DataLoader loader(dataset, {.batch_size = 1, .num_workers = 2,
+                                        .worker_init_fn = [](int id) { conveyor::manual_seed(1000 + id); },
+                                        .seed = 5});
+  std::vector<double> draws[2];
+  int64_t k = 0;
+  for (auto& [ids, values] : loader) {
+    EXPECT_EQ(ids[0], k);
+    draws[k++ % 2].push_back(values[0]);
+    if (k == 20) break;
+  }
+  for (int w = 0; w < 2; ++w) {
+    conveyor::Generator expected(static_cast<uint64_t>(1000 + w));
+    for (double draw : draws[w]) EXPECT_EQ(draw, conveyor::uniform(expected)) << "worker " << w;
+  }
+  EXPECT_EQ(conveyor::default_generator().get_state(), process_before);
+}
+
 TEST(WorkerInfo, DatasetsSeeTheirWorker) {
   struct Introspective final : conveyor::Dataset<std::vector<int64_t>> {
     size_t size() const override { return 9; }

@@ -163,4 +163,55 @@ TEST(DefaultConvert, PassesSamplesThrough) {
   EXPECT_EQ(conveyor::default_convert(5), 5);
 }
 
+TEST(ArrayShape, AScalarHasOneElementAndRoomForIt) {
+  // A 0-d array used to allocate for numel() before it had memory, i.e. for
+  // none: writing its element overflowed the heap (ASan build).
+  Array<double> scalar(std::vector<int64_t>{});
+  EXPECT_EQ(scalar.numel(), 1u);
+  EXPECT_EQ(scalar.dim(), 0);
+  scalar[0] = 2.5;
+  EXPECT_EQ(scalar.values().size(), 1u);
+  Array<double> stacked = default_collate(std::vector<Array<double>>{scalar, scalar, scalar});
+  EXPECT_EQ(stacked.shape(), (std::vector<int64_t>{3}));
+  EXPECT_EQ(values(stacked), (std::vector<double>{2.5, 2.5, 2.5}));
+  EXPECT_EQ(Array<double>().numel(), 0u);  // default constructed: nothing
+  EXPECT_EQ(Array<double>(std::vector<int64_t>{0, 4}).numel(), 0u);
+  EXPECT_THROW(Array<double>(std::vector<int64_t>{2, -1}), conveyor::ValueError);
+  EXPECT_THROW(Array<double>(std::vector<int64_t>{int64_t{1} << 40, int64_t{1} << 40}), conveyor::ValueError);
+}
+
+struct Record {
+  Array<float> image;
+  int64_t label;
+  std::string name;
+};
+struct RecordBatch {
+  Array<float> image;
+  Array<int64_t> label;
+  std::vector<std::string> name;
+};
+
+TEST(CollateInto, ABatchOfStructsKeepsItsFieldNames) {
+  std::vector<Record> records;
+  for (int i = 0; i < 3; ++i) {
+    Array<float> image({2});
+    image[0] = static_cast<float>(i);
+    image[1] = 0.5f;
+    records.push_back({image, 10 + i, "s" + std::to_string(i)});
+  }
+  RecordBatch batch = conveyor::CollateInto<RecordBatch>{}(std::move(records));
+  EXPECT_EQ(batch.image.shape(), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(values(batch.image), (std::vector<float>{0, 0.5f, 1, 0.5f, 2, 0.5f}));
+  EXPECT_EQ(values(batch.label), (std::vector<int64_t>{10, 11, 12}));
+  EXPECT_EQ(batch.name, (std::vector<std::string>{"s0", "s1", "s2"}));
+  // Tuples and pairs name their positions the same way.
+  struct Pair {
+    Array<int> first;
+    Array<double> second;
+  };
+  Pair pair = conveyor::CollateInto<Pair>{}(std::vector<std::pair<int, double>>{{1, 0.5}, {2, 1.5}});
+  EXPECT_EQ(values(pair.first), (std::vector<int>{1, 2}));
+  EXPECT_EQ(values(pair.second), (std::vector<double>{0.5, 1.5}));
+}
+
 }  // namespace

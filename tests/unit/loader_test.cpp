@@ -2,12 +2,16 @@
 #include <gtest/gtest.h>
 
 #include <conveyor/conveyor.h>
+#include <conveyor/detail/engine.h>
 
+#include <algorithm>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "support/allocations.h"
 #include "support/datasets.h"
 
 namespace {
@@ -144,16 +148,29 @@ TEST(Loader, IterableDatasetBatchesAndDropLast) {
   EXPECT_EQ(drop.size(), 2u);
 }
 
-TEST(Loader, IterableDatasetThatYieldsMoreThanItsLengthWarnsOnce) {
+TEST(Loader, IterableDatasetThatYieldsMoreThanItsLengthWarnsAtEveryItemPastIt) {
+  // PyTorch warns each time, naming the dataset; conveyor says what it counts.
   StridedStream stream(10, 4);  // claims 4 samples, has 10
   std::vector<std::string> warnings;
   auto previous = conveyor::set_warning_handler([&](const std::string& m) { warnings.push_back(m); });
-  conveyor::DataLoader loader(stream, {.batch_size = 2});
-  EXPECT_EQ(loader.size(), 2u);
-  EXPECT_EQ(all_batches(loader).size(), 5u);
+  conveyor::DataLoader batched(stream, {.batch_size = 2});
+  EXPECT_EQ(batched.size(), 2u);
+  EXPECT_EQ(all_batches(batched).size(), 5u);
+  conveyor::DataLoader unbatched(stream, {.batch_size = std::nullopt}, conveyor::DefaultConvert{});
+  EXPECT_EQ(unbatched.size(), 4u);
+  size_t samples = 0;
+  for (int64_t sample : unbatched) samples += sample >= 0 ? 1 : 0;
   conveyor::set_warning_handler(previous);
-  ASSERT_EQ(warnings.size(), 1u);
-  EXPECT_NE(warnings[0].find("was reported to be 2"), std::string::npos) << warnings[0];
+  EXPECT_EQ(samples, 10u);
+  ASSERT_EQ(warnings.size(), 3u + 6u);  // batches 3, 4, 5; samples 5 to 10
+  EXPECT_EQ(warnings[0],
+            "Length of IterableDataset conveyor::testing::StridedStream was reported to be 2 (when "
+            "accessing len(dataloader)), but 3 batches have been fetched. ");
+  EXPECT_NE(warnings[2].find("but 5 batches have been fetched"), std::string::npos) << warnings[2];
+  EXPECT_EQ(warnings[3],
+            "Length of IterableDataset conveyor::testing::StridedStream was reported to be 4 (when "
+            "accessing len(dataloader)), but 5 samples have been fetched. ");
+  EXPECT_NE(warnings[8].find("but 10 samples have been fetched"), std::string::npos) << warnings[8];
 }
 
 TEST(Loader, SetEpochReachesADistributedSampler) {
@@ -175,6 +192,144 @@ TEST(Loader, EachEpochDrawsItsBaseSeedFromTheLoadersGenerator) {
   conveyor::DataLoader loader(ds, {.generator = g});
   EXPECT_EQ(loader.iter().base_seed(), conveyor::draw_seed(reference));
   EXPECT_EQ(loader.iter().base_seed(), conveyor::draw_seed(reference));
+}
+
+// A map-style dataset whose size the test changes between epochs.
+struct Growing final : conveyor::Dataset<int64_t> {
+  size_t size() const override { return n; }
+  int64_t get(size_t i) override {
+    if (i >= n) throw conveyor::IndexError("index " + std::to_string(i) + " past " + std::to_string(n));
+    return static_cast<int64_t>(i);
+  }
+  size_t n = 5;
+};
+
+TEST(Loader, ADatasetThatChangesSizeIsReadAgainAtEachEpochAsPyTorchReadsLen) {
+  for (bool shuffle : {false, true}) {
+    for (int workers : {0, 2}) {
+      SCOPED_TRACE(std::string(shuffle ? "shuffled, " : "") + std::to_string(workers) + " workers");
+      Growing dataset;
+      conveyor::DataLoader loader(dataset, {.batch_size = 2, .shuffle = shuffle, .num_workers = workers,
+                                            .persistent_workers = workers > 0, .seed = 3});
+      auto samples = [&] {
+        std::vector<int64_t> all;
+        for (auto& batch : loader) all.insert(all.end(), batch.values().begin(), batch.values().end());
+        std::sort(all.begin(), all.end());
+        return all;
+      };
+      EXPECT_EQ(loader.size(), 3u);
+      EXPECT_EQ(samples(), (std::vector<int64_t>{0, 1, 2, 3, 4}));
+      dataset.n = 9;
+      EXPECT_EQ(loader.size(), 5u);
+      EXPECT_EQ(samples(), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
+      dataset.n = 3;
+      EXPECT_EQ(samples(), (std::vector<int64_t>{0, 1, 2}));
+    }
+  }
+}
+
+TEST(Loader, HugeBatchSizesWorkOnSmallDataAndHugeWindowsAreRefusedByName) {
+  // batch_size 2^34 or INT64_MAX over 10 samples is one batch of 10, as in
+  // PyTorch; nothing may be allocated for the batch before the samples exist.
+  RangeDataset ds(10);
+  StridedStream stream(10);
+  for (int64_t batch_size : {int64_t{1} << 34, std::numeric_limits<int64_t>::max()}) {
+    for (int workers : {0, 2}) {
+      SCOPED_TRACE(std::to_string(batch_size) + ", " + std::to_string(workers) + " workers");
+      conveyor::DataLoader loader(ds, {.batch_size = batch_size, .num_workers = workers});
+      EXPECT_EQ(loader.size(), 1u);
+      EXPECT_EQ(all_batches(loader), (std::vector<std::vector<int64_t>>{{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}}));
+      conveyor::DataLoader streamed(stream, {.batch_size = batch_size, .num_workers = workers});
+      EXPECT_EQ(all_batches(streamed).at(0).size(), workers == 0 ? 10u : 5u);
+    }
+  }
+  // A prefetch_factor that fits in memory only for a small map-style epoch:
+  // the window is no longer than the epoch.
+  conveyor::DataLoader deep(ds, {.batch_size = 2, .num_workers = 2, .prefetch_factor = 500000});
+  EXPECT_EQ(all_batches(deep).size(), 5u);
+  auto refused = [&](conveyor::LoaderOptions options) -> std::string {
+    try {
+      conveyor::DataLoader loader(ds, std::move(options));
+    } catch (const conveyor::ValueError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_NE(refused({.num_workers = 2, .prefetch_factor = std::numeric_limits<int>::max()})
+                .find("prefetch_factor option asks for prefetch_factor * num_workers = 2147483647 * 2"),
+            std::string::npos);
+  EXPECT_NE(refused({.num_workers = 100000}).find("num_workers option should be at most 1024"),
+            std::string::npos);
+  EXPECT_NE(refused({.num_workers = 1, .pin_memory = true, .prefetch_to_device = 1 << 30})
+                .find("prefetch_to_device option should be in [0, 1048576]"),
+            std::string::npos);
+}
+
+TEST(Loader, MoreWorkersThanCpusWarnsOnceAsPyTorchDoes) {
+  RangeDataset ds(4);
+  std::vector<std::string> warnings;
+  auto previous = conveyor::set_warning_handler([&](const std::string& m) { warnings.push_back(m); });
+  const int workers = 1000;  // more than any CI machine's CPUs
+  for (int i = 0; i < 3; ++i) conveyor::DataLoader loader(ds, {.num_workers = workers});
+  conveyor::set_warning_handler(previous);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0].rfind("This DataLoader will create 1000 worker threads in total. Our suggested "
+                              "max number of worker in current system is ", 0),
+            0u)
+      << warnings[0];
+  EXPECT_NE(warnings[0].find("lower the worker number to avoid potential slowness/freeze if necessary."),
+            std::string::npos);
+}
+
+TEST(Loader, TheThreadLimitWarningNamesWhoHoldsTheLimit) {
+  using conveyor::detail::thread_limit_warning;
+  EXPECT_EQ(thread_limit_warning(8, 9, 256), "");
+  const std::string held = thread_limit_warning(8, 4, 256);
+  EXPECT_NE(held.find("held at 4 by another tbb::global_control"), std::string::npos) << held;
+  // Above oneTBB's own worker limit no global_control is to blame.
+  const std::string own = thread_limit_warning(300, 301, 256);
+  EXPECT_EQ(own.find("global_control"), std::string::npos) << own;
+  EXPECT_NE(own.find("oneTBB starts at most 256 worker threads in a process (its own limit"),
+            std::string::npos)
+      << own;
+  EXPECT_GE(conveyor::detail::tbb_worker_limit(1), 256u);
+}
+
+TEST(Loader, TheLastEpochsMetricsOutliveARangeFor) {
+  RangeDataset ds(30);
+  for (int workers : {0, 2}) {
+    conveyor::DataLoader loader(ds, {.batch_size = 4, .num_workers = workers});
+    EXPECT_FALSE(loader.last_metrics().has_value());
+    size_t batches = 0;
+    for (auto& batch : loader) batches += batch.numel() > 0 ? 1 : 0;
+    ASSERT_TRUE(loader.last_metrics().has_value());
+    EXPECT_EQ(loader.last_metrics()->batches, batches);
+    EXPECT_EQ(loader.last_metrics()->batches, 8u);
+    EXPECT_EQ(loader.last_metrics()->window, workers == 0 ? 0u : 4u);
+    for (auto& batch : loader) {  // left early: its metrics count what it gave
+      (void)batch;
+      break;
+    }
+    EXPECT_EQ(loader.last_metrics()->batches, 1u);
+  }
+}
+
+TEST(Loader, TheRangeForAllocatesNothingPerBatchBeyondWhatNextDoes) {
+  // It used to allocate a new home for every batch.
+  RangeDataset ds(400);
+  conveyor::DataLoader loader(ds, {.batch_size = 4});
+  size_t from_next = 0, from_range_for = 0;
+  for (int round = 0; round < 2; ++round) {  // the first round warms up
+    const size_t before = conveyor::testing::allocations_so_far();
+    auto epoch = loader.iter();
+    while (auto batch = epoch.next()) {
+    }
+    const size_t middle = conveyor::testing::allocations_so_far();
+    for (auto& batch : loader) (void)batch;
+    from_next = middle - before;
+    from_range_for = conveyor::testing::allocations_so_far() - middle;
+  }
+  EXPECT_LE(from_range_for, from_next + 2) << "100 batches";  // the epoch and the batch's home, once
 }
 
 }  // namespace

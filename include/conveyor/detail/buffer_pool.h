@@ -12,8 +12,11 @@ namespace conveyor::detail {
 
 // A BufferAllocator whose buffers, once released, are reused for the next
 // batch of their size class (powers of two from 64 bytes). At most
-// `max_free_per_class` idle buffers are kept per class; the rest go back to
-// the heap. Buffers outlive the allocator safely. Thread-safe, mutex-free.
+// `max_free_per_class` idle buffers are kept per class, and never more idle
+// bytes than were ever in use at once; the rest go back to the heap.
+// Buffers outlive the allocator safely. Thread-safe, mutex-free.
+// The loader installs it for collate only: what a dataset allocates is not
+// the window's memory and comes from the heap.
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class);
 
 // The same over page-locked memory from `device`. Each buffer gets a device
@@ -21,6 +24,19 @@ std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_cl
 // handed out again before the device has finished reading it.
 std::shared_ptr<BufferAllocator> make_pinned_allocator(std::shared_ptr<TransferDevice> device,
                                                        size_t max_free_per_class);
+
+// What a pool holds, in bytes of block capacity (approximate while buffers
+// move).
+struct PoolStats {
+  size_t idle_bytes = 0;         // on the free lists
+  size_t in_use_bytes = 0;       // handed out, not yet back
+  size_t peak_in_use_bytes = 0;  // the most ever handed out at once
+};
+// `pool` must come from make_recycling_allocator / make_pinned_allocator.
+PoolStats pool_stats(const BufferAllocator& pool);
+
+// Whether `owner` keeps a pool buffer alive (rather than heap memory).
+bool is_pool_buffer(const std::shared_ptr<void>& owner);
 
 // A pinned pool buffer's device twin, and where to record its copy's event.
 struct DeviceTwin {

@@ -21,8 +21,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <span>
+#include <string>
 
 #include "conveyor/options.h"
 #include "conveyor/sampler.h"
@@ -85,6 +87,22 @@ struct ReadyBatch {
   int worker = -1;
 };
 
+// Runs `work` on a thread of its own, detached: how a loader that co-owns
+// everything a stuck task touches stops without waiting for that task. Runs
+// `work` here instead if no thread can be started. Never throws.
+void finish_in_background(std::function<void()> work) noexcept;
+
+// The most worker threads oneTBB starts in this process, given the
+// parallelism limit in force when it started.
+size_t tbb_worker_limit(size_t parallelism_at_start);
+
+// What the engine warns when `workers_wanted` worker threads (every live
+// loader's together) cannot all run at once: `parallelism_in_force` is TBB's
+// max_allowed_parallelism now (the minimum over every tbb::global_control),
+// `tbb_worker_limit` what oneTBB itself allows. Empty when they all can.
+std::string thread_limit_warning(size_t workers_wanted, size_t parallelism_in_force,
+                                 size_t tbb_worker_limit);
+
 // The seed of batch `batch_index`'s generator under work_stealing: the same
 // for any number of workers (declared again in loader_core.h).
 uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index);
@@ -116,10 +134,15 @@ class Engine {
   // Queues the next batch for `worker` (-1: any), copying `indices` into the
   // slot's buffer (reused: no allocation once warm). Requires has_room().
   void submit(int worker, std::span<const size_t> indices);
-  // Blocks until a result is ready (see the contract). Throws TimeoutError
-  // after the configured timeout, naming the batch, its worker and how long
-  // it has run; the engine stays usable and the wait can be retried.
-  ReadyBatch wait_ready();
+  // Blocks until a result is ready (see the contract). With a timeout
+  // configured, throws TimeoutError once `deadline` passes, naming the batch,
+  // its worker and how long it has run; the engine stays usable and the wait
+  // can be retried. The caller sets the deadline once per consumer request,
+  // so a request that waits twice still waits `timeout` in all.
+  ReadyBatch wait_ready(std::chrono::steady_clock::time_point deadline);
+  ReadyBatch wait_ready() { return wait_ready(deadline_from_now()); }
+  // The same without waiting: false when no result is ready yet.
+  bool try_ready(ReadyBatch& ready);
   // Frees the result's place in the window once the consumer has taken it.
   void release(const ReadyBatch& ready) noexcept;
   // Drops every job in flight: queued ones are skipped, running ones are
@@ -128,6 +151,8 @@ class Engine {
 
   EngineStats stats() const noexcept;
   size_t num_workers() const noexcept;
+  // When wait_ready() gives up: now + the configured timeout, or never.
+  std::chrono::steady_clock::time_point deadline_from_now() const noexcept;
 
   // How many times cancel() has dropped jobs. Thread-safe: tests use it to
   // know that a cancellation has begun.

@@ -3,12 +3,14 @@
 // when num_workers == 0.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,6 +73,13 @@ inline int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+// What BatchSource::try_next() found.
+enum class Poll {
+  ready,    // a batch is in `out`
+  pending,  // none is ready yet; asking again later may give one
+  end,      // the epoch is over
+};
+
 template <class Batch>
 class BatchSource {
  public:
@@ -79,8 +88,20 @@ class BatchSource {
   virtual void add_metrics(LoaderMetrics& /*metrics*/) const {}
   // The next batch, std::nullopt at the end of the epoch. A failed batch
   // throws WorkerError at its position; the following call goes on after it.
+  // Waits at most the loader's timeout in all (TimeoutError).
   virtual std::optional<Batch> next() = 0;
+  // next() without waiting for a worker: `out` gets the batch when one is
+  // ready. Throws what next() would throw at that position. A source that
+  // makes batches in the caller's thread is always ready.
+  virtual Poll try_next(std::optional<Batch>& out) {
+    out = next();
+    return out ? Poll::ready : Poll::end;
+  }
 };
+
+// How many samples to reserve room for when up to `wanted` may come: a
+// huge batch_size must not allocate before the samples exist.
+inline size_t reserve_for_batch(size_t wanted) { return std::min<size_t>(wanted, 1024); }
 
 // Everything an epoch needs from its loader, shared so that an epoch (and
 // every task it started) keeps what it uses alive.
@@ -94,11 +115,9 @@ uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_in
 // (base_seed, epoch, batch), also without workers: the same augmentations
 // for any num_workers, 0 included. Otherwise code in the consumer's thread
 // draws from the process's default generator, as in PyTorch.
-// With pin_memory, collate in this thread writes into the pinned pool too.
 class InlineBatchScope {
  public:
-  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch)
-      : allocator_(plan.batch_allocator.get()) {
+  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch) {
     if (plan.scheduling == Scheduling::work_stealing) {
       scope_.emplace(nullptr, work_stealing_seed(base_seed, epoch, batch));
     }
@@ -106,7 +125,6 @@ class InlineBatchScope {
 
  private:
   std::optional<WorkerScope> scope_;
-  AllocatorScope allocator_;
 };
 
 template <class D, class C>
@@ -115,17 +133,27 @@ struct LoaderCore {
   using batch_type = typename batch_of<sample_type, C>::type;
 
   LoaderCore(std::shared_ptr<D> dataset_in, C collate_in, LoaderPlan plan_in)
-      : dataset(std::move(dataset_in)), collate(std::move(collate_in)), plan(std::move(plan_in)) {}
+      : dataset(std::move(dataset_in)),
+        collate(std::move(collate_in)),
+        plan(std::move(plan_in)),
+        // A borrowed dataset comes in a shared_ptr that owns nothing.
+        owns_dataset(dataset.use_count() > 0) {}
 
   std::shared_ptr<D> dataset;
   C collate;
   LoaderPlan plan;
+  // The loader shares ownership of the dataset (else the user lends it):
+  // then an epoch abandoned behind a stuck sample need not wait for it.
+  bool owns_dataset;
   // len(loader) of an iterable dataset, once asked; for the "more batches
   // than len()" warning. Consumer thread only.
   std::optional<size_t> reported_length;
   // The epoch the next pass runs as: set_epoch()'s value, else one more than
   // the last. Consumer thread only.
   uint64_t epoch = 0;
+  // What the last epoch that ended (or was dropped) spent where. Consumer
+  // thread only.
+  std::optional<LoaderMetrics> last_metrics;
   // persistent_workers: the base seed drawn by the first pass, and the pool
   // every pass reuses. Consumer thread only. Declared last: the pool's
   // workers stop before anything else here goes.
@@ -133,8 +161,10 @@ struct LoaderCore {
   std::shared_ptr<WorkerPool<D, C>> persistent_pool;
 
   // Fetch and collate one map-style batch. `stage` names the step running
-  // when an exception leaves; `times` gets the time of each.
-  batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times) const {
+  // when an exception leaves; `times` gets the time of each. Collate (only
+  // collate: not what the dataset allocates) writes into `batch_memory`.
+  batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times,
+                        BufferAllocator* batch_memory) const {
     const auto start = std::chrono::steady_clock::now();
     stage = "fetch";
     if constexpr (batch_of<sample_type, C>::kTakesBatch) {
@@ -143,6 +173,7 @@ struct LoaderCore {
         const auto fetched = std::chrono::steady_clock::now();
         times.fetch_ns += nanoseconds_since(start);
         stage = "collate";
+        AllocatorScope collate_memory(batch_memory);
         batch_type batch = collate(std::move(samples));
         times.collate_ns += nanoseconds_since(fetched);
         return batch;
@@ -153,6 +184,7 @@ struct LoaderCore {
       const auto fetched = std::chrono::steady_clock::now();
       times.fetch_ns += nanoseconds_since(start);
       stage = "collate";
+      AllocatorScope collate_memory(batch_memory);
       batch_type batch = collate(std::move(sample));
       times.collate_ns += nanoseconds_since(fetched);
       return batch;
@@ -161,7 +193,8 @@ struct LoaderCore {
   }
 
   // Collate what an iterable replica produced.
-  batch_type collate_samples(std::vector<sample_type>&& samples) const {
+  batch_type collate_samples(std::vector<sample_type>&& samples, BufferAllocator* batch_memory) const {
+    AllocatorScope collate_memory(batch_memory);
     if constexpr (batch_of<sample_type, C>::kTakesBatch) {
       if (plan.auto_collation) return collate(std::move(samples));
     }
@@ -171,9 +204,33 @@ struct LoaderCore {
     throw TypeError("unreachable: the collate function does not fit the plan");
   }
 
+  // Up to `wanted` samples from an iterable replica; fewer at its end.
+  // Sets `exhausted` when the replica has no more.
+  static std::vector<sample_type> take_samples(SampleIterator<sample_type>& replica, size_t wanted,
+                                               bool& exhausted) {
+    std::vector<sample_type> samples;
+    samples.reserve(reserve_for_batch(wanted));
+    while (samples.size() < wanted) {
+      std::optional<sample_type> sample = replica.next();
+      if (!sample) {
+        exhausted = true;
+        break;
+      }
+      samples.push_back(std::move(*sample));
+    }
+    return samples;
+  }
+
   std::vector<sample_type> fetch(std::span<const size_t> indices) const {
     if constexpr (requires { dataset->get_batch(indices); }) {
-      return dataset->get_batch(indices);
+      std::vector<sample_type> samples = dataset->get_batch(indices);
+      if (samples.size() != indices.size()) {
+        // A sample would appear from nowhere or vanish without a trace.
+        throw ValueError("get_batch returned " + std::to_string(samples.size()) + " samples for " +
+                         std::to_string(indices.size()) +
+                         " indices; it must return one sample per index, in order");
+      }
+      return samples;
     } else {
       std::vector<sample_type> samples;
       samples.reserve(indices.size());
@@ -196,12 +253,12 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
         epoch_(epoch) {}
 
   std::optional<batch_type> next() override {
-    if (!batches_->next(indices_)) return std::nullopt;
+    if (!batches_->next(indices_)) return std::nullopt;  // a sampler's error leaves as it is
     const uint64_t seq = next_seq_++;
     const char* stage = "fetch";
     InlineBatchScope scope(core_->plan, base_seed_, epoch_, seq);
     try {
-      return core_->make_batch(indices_, stage, times_);
+      return core_->make_batch(indices_, stage, times_, core_->plan.batch_allocator.get());
     } catch (...) {
       throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
     }
@@ -222,7 +279,10 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
   uint64_t next_seq_ = 0;
 };
 
-// num_workers == 0, iterable: one replica in the consumer's thread.
+// num_workers == 0, iterable: one replica in the consumer's thread, made at
+// the first next() so that an iter() that throws reaches the consumer as a
+// WorkerError, as it does from a worker. A replica whose iter() threw is
+// exhausted (PyTorch's rule for a worker that failed to start).
 template <class D, class C>
 class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
  public:
@@ -230,35 +290,32 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
   using sample_type = typename LoaderCore<D, C>::sample_type;
 
   InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core, int64_t base_seed, uint64_t epoch)
-      : core_(std::move(core)),
-        replica_(core_->dataset->iter(nullptr)),
-        base_seed_(base_seed),
-        epoch_(epoch) {}
+      : core_(std::move(core)), base_seed_(base_seed), epoch_(epoch) {}
 
   std::optional<batch_type> next() override {
     if (exhausted_) return std::nullopt;
     const LoaderPlan& plan = core_->plan;
     const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
     const uint64_t seq = next_seq_++;
-    const char* stage = "iterate";
+    const char* stage = "iter";
     InlineBatchScope scope(plan, base_seed_, epoch_, seq);
-    const auto start = std::chrono::steady_clock::now();
     try {
-      std::vector<sample_type> samples;
-      samples.reserve(wanted);
-      while (samples.size() < wanted) {
-        std::optional<sample_type> sample = replica_->next();
-        if (!sample) {
-          exhausted_ = true;
-          break;
-        }
-        samples.push_back(std::move(*sample));
+      if (!replica_) {
+        exhausted_ = true;  // until iter() returns
+        replica_ = core_->dataset->iter(nullptr);
+        exhausted_ = false;
       }
-      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) return std::nullopt;
+      stage = "iterate";
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<sample_type> samples = LoaderCore<D, C>::take_samples(*replica_, wanted, exhausted_);
+      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) {
+        exhausted_ = true;
+        return std::nullopt;
+      }
       const auto fetched = std::chrono::steady_clock::now();
       times_.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      batch_type batch = core_->collate_samples(std::move(samples));
+      batch_type batch = core_->collate_samples(std::move(samples), plan.batch_allocator.get());
       times_.collate_ns += nanoseconds_since(fetched);
       return batch;
     } catch (...) {

@@ -42,9 +42,14 @@ struct LoaderPlan {
   std::function<void(int)> worker_init_fn;
 };
 
+// What a loader accepts at most: worker threads, and batches in flight in a
+// reorder window (prefetch_factor * num_workers) or ahead on the device.
+inline constexpr size_t kMaxWorkers = 1024;
+inline constexpr size_t kMaxWindow = size_t{1} << 20;
+
 // Checks `options` in PyTorch's order, with PyTorch's messages (ValueError),
-// and builds the default samplers. `map_size` is the dataset's size for
-// map-style datasets.
-LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, size_t map_size);
+// and builds the default samplers. `map_size` reads a map-style dataset's
+// size; the default samplers call it at every pass, as Python reads len().
+LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize map_size);
 
 }  // namespace conveyor::detail

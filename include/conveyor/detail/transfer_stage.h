@@ -1,9 +1,13 @@
 // conveyor/detail/transfer_stage.h: the last stage, on the consumer's thread.
 //
 // Takes batches in order from the stage before it, queues their device copies
-// on the device's copy stream, `depth` batches ahead of the consumer, and
-// hands each out with its DeviceBatch (device buffers and ready event). No
+// on the device's copy stream, up to `depth` batches ahead of the consumer,
+// and hands each out with its DeviceBatch (device buffers and ready event). No
 // host synchronisation on this path: the consumer waits on the event.
+//
+// The consumer waits for one batch only: the one it asked for. Batches ahead
+// are taken when they are ready (try_next), never waited for, so the
+// loader's timeout bounds next() however deep the stage is.
 //
 // Errors keep their place: a batch that failed earlier (a WorkerError) or
 // whose copy could not be queued is thrown when its turn comes. Destroying
@@ -24,6 +28,7 @@
 #include "conveyor/detail/check.h"
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/loader_core.h"
+#include "conveyor/errors.h"
 #include "conveyor/transfer.h"
 
 namespace conveyor::detail {
@@ -36,8 +41,10 @@ class TransferStage final : public BatchSource<Batch> {
       : inner_(std::move(inner)), device_(std::move(device)), depth_(depth) {}
 
   std::optional<Batch> next() override {
-    // Keep `depth` batches copying beyond the one handed out now.
-    while (!inner_done_ && pending_.size() <= depth_) pull();
+    if (pending_.empty() && !inner_done_) pull(/*wait=*/true);
+    // Keep up to `depth` batches copying beyond the one handed out now.
+    while (!inner_done_ && pending_.size() <= depth_ && pull(/*wait=*/false)) {
+    }
     if (pending_.empty()) return std::nullopt;
     Entry entry = std::move(pending_.front());
     pending_.pop_front();
@@ -75,19 +82,30 @@ class TransferStage final : public BatchSource<Batch> {
     std::vector<std::shared_ptr<Scratch>> scratch;
   };
 
-  void pull() {
-    const uint64_t index = pulled_++;
+  // Takes the next batch from the stage before and queues its copies; false
+  // when, not waiting, none was ready. A TimeoutError leaves as it is (the
+  // batch is still coming); any other error takes the batch's place.
+  bool pull(bool wait) {
     Entry entry;
     try {
-      entry.batch = inner_->next();
+      if (wait) {
+        entry.batch = inner_->next();
+      } else if (inner_->try_next(entry.batch) == Poll::pending) {
+        return false;
+      }
+    } catch (const TimeoutError&) {
+      throw;  // only a waiting pull times out, and nothing is pending then
     } catch (...) {
       entry.error = std::current_exception();  // already a WorkerError, in order
+    }
+    const uint64_t index = pulled_++;
+    if (entry.error) {
       pending_.push_back(std::move(entry));
-      return;
+      return true;
     }
     if (!entry.batch) {
       inner_done_ = true;
-      return;
+      return false;
     }
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -102,6 +120,7 @@ class TransferStage final : public BatchSource<Batch> {
       entry.batch.reset();
     }
     pending_.push_back(std::move(entry));
+    return true;
   }
 
   void queue_copies(Entry& entry) {

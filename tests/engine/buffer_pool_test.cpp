@@ -1,0 +1,86 @@
+// The batch-buffer pool: what it recycles, what it keeps idle, and that a
+// dataset's own allocations never come from it.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+#include <conveyor/detail/buffer_pool.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using conveyor::detail::is_pool_buffer;
+using conveyor::detail::make_recycling_allocator;
+using conveyor::detail::pool_stats;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+TEST(BufferPool, ARecycledBufferIsReusedForItsSizeClass) {
+  auto pool = make_recycling_allocator(4);
+  std::byte* first = nullptr;
+  {
+    auto buffer = pool->allocate(1000);
+    first = buffer.get();
+    EXPECT_TRUE(is_pool_buffer(buffer));
+  }
+  EXPECT_EQ(pool->allocate(1000).get(), first);  // 1000 and 1024 share a class
+  EXPECT_EQ(pool->allocate(1024).get(), first);
+}
+
+TEST(BufferPool, KeepsNoMoreIdleThanWasEverInUseWhateverTheSizes) {
+  // A pool capped only per size class kept up to the cap in every class a
+  // batch ever touched: many classes, many times what the loader needed.
+  auto pool = make_recycling_allocator(8);
+  {
+    std::vector<std::shared_ptr<std::byte>> window;
+    for (int i = 0; i < 4; ++i) window.push_back(pool->allocate(kMiB));
+  }
+  EXPECT_EQ(pool_stats(*pool).peak_in_use_bytes, 4 * kMiB);
+  EXPECT_LE(pool_stats(*pool).idle_bytes, pool_stats(*pool).peak_in_use_bytes);
+  EXPECT_GE(pool_stats(*pool).idle_bytes, 4 * kMiB);  // a window's worth stays warm
+  for (size_t bytes : {2 * kMiB, 3 * kMiB, 5 * kMiB, 7 * kMiB, size_t{100}, size_t{300} * 1024}) {
+    pool->allocate(bytes);  // one at a time, in a new class each
+    EXPECT_LE(pool_stats(*pool).idle_bytes, pool_stats(*pool).peak_in_use_bytes) << bytes;
+  }
+  EXPECT_EQ(pool_stats(*pool).in_use_bytes, 0u);
+}
+
+// Each sample is an image allocated the way decoders allocate
+// (allocate_batch_buffer); collate allocates the batch.
+struct Images final : conveyor::Dataset<conveyor::Array<uint8_t>> {
+  size_t size() const override { return 64; }
+  conveyor::Array<uint8_t> get(size_t i) override {
+    conveyor::Array<uint8_t> image({3, 16 + static_cast<int64_t>(i % 7), 16});
+    if (is_pool_buffer(image.owner())) from_pool.fetch_add(1);
+    return image;
+  }
+  std::atomic<int> from_pool{0};
+};
+
+TEST(BufferPool, WhatADatasetAllocatesOnAWorkerDoesNotComeFromTheBatchPool) {
+  // Only collate's output is window memory; a decoded image in get() used to
+  // be served from (and cached by) the batch pool in power-of-two classes.
+  for (int workers : {0, 2}) {
+    Images dataset;
+    std::atomic<int> batches_from_pool{0};
+    auto collate = [&](std::vector<conveyor::Array<uint8_t>>&& images) {
+      conveyor::Array<uint8_t> batch({static_cast<int64_t>(images.size())});
+      if (is_pool_buffer(batch.owner())) batches_from_pool.fetch_add(1);
+      return batch;
+    };
+    conveyor::DataLoader loader(dataset, {.batch_size = 4, .num_workers = workers,
+                                          .persistent_workers = workers > 0},
+                                collate);
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      for (auto& batch : loader) EXPECT_EQ(batch.numel(), 4u);
+    }
+    EXPECT_EQ(dataset.from_pool.load(), 0) << workers << " workers";
+    // With workers, collate writes into the recycled pool.
+    EXPECT_EQ(batches_from_pool.load(), workers > 0 ? 32 : 0) << workers << " workers";
+  }
+}
+
+}  // namespace

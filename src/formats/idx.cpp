@@ -18,9 +18,14 @@
 
 #include "conveyor/data_error.h"
 #include "conveyor/errors.h"
+#include "regular_file.h"
 
 namespace conveyor {
 namespace {
+
+using detail::open_regular_file;
+using detail::OpenedFile;
+using detail::os_reason;
 
 constexpr uint8_t kGzipMagic0 = 0x1f;
 constexpr uint8_t kGzipMagic1 = 0x8b;
@@ -213,9 +218,6 @@ class GzipReader {
   bool ended_ = false;
 };
 
-// strerror's text, without strerror's shared buffer.
-std::string os_reason(int error_number) { return std::generic_category().message(error_number); }
-
 // Closes the descriptor however read_file leaves.
 struct FileDescriptor {
   int fd;
@@ -224,39 +226,14 @@ struct FileDescriptor {
   }
 };
 
-// What a file that is not a regular one is, for the error that refuses it.
-std::string file_type_name(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "file type " + std::to_string(mode & S_IFMT);
-}
-
-// Reads a whole regular file. Anything else is refused before a byte is
-// read: /dev/zero or /dev/urandom would never end, a FIFO could hang, and
-// none has a size to check the data against. O_NONBLOCK keeps open() from
-// waiting for a FIFO's writer; fstat of the descriptor, not the path, checks
-// the very file that is read.
+// Reads a whole regular file (see open_regular_file: nothing else is read).
 std::vector<uint8_t> read_file(const std::string& path) {
-  FileDescriptor file{-1};
-  do {
-    file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  } while (file.fd < 0 && errno == EINTR);
-  if (file.fd < 0) throw DataError("cannot open: " + os_reason(errno), path);
-  struct stat status {};
-  if (::fstat(file.fd, &status) != 0) throw DataError("cannot stat: " + os_reason(errno), path);
-  if (!S_ISREG(status.st_mode)) {
-    throw DataError("not a regular file (" + file_type_name(status.st_mode) + ")", path);
-  }
-  const int flags = ::fcntl(file.fd, F_GETFL);
-  if (flags < 0 || ::fcntl(file.fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-    throw DataError("cannot clear O_NONBLOCK: " + os_reason(errno), path);
-  }
+  OpenedFile opened = open_regular_file(path);
+  if (!opened.problem.empty()) throw DataError(opened.problem, path);
+  FileDescriptor file{opened.fd};
   // Sized from fstat with a spare byte, so the end of the file is seen
   // without growing; a file that grows meanwhile still reads whole.
-  const size_t expected = static_cast<size_t>(status.st_size);
+  const size_t expected = static_cast<size_t>(opened.size);
   std::vector<uint8_t> contents(std::max<size_t>(expected + 1, kMinimumOutputBytes));
   size_t filled = 0;
   for (;;) {

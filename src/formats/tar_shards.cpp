@@ -25,6 +25,7 @@
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/image.h"
+#include "regular_file.h"
 
 namespace conveyor {
 namespace {
@@ -38,17 +39,9 @@ constexpr time_t kFixedMtime = 0;
 // as {0..999999999} would otherwise exhaust memory).
 constexpr size_t kMaxExpandedPaths = 10'000'000;
 
-std::string error_text(int error_number) { return std::generic_category().message(error_number); }
-
-// What a file that is not a regular one is, for the error that refuses it.
-std::string file_type_name(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "file type " + std::to_string(mode & S_IFMT);
-}
+using detail::open_regular_file;
+using detail::OpenedFile;
+using detail::os_reason;
 
 // ARCHIVE_WARN still delivers the entry; everything else but OK is a
 // failure. ARCHIVE_RETRY (a damaged header, which libarchive would skip
@@ -85,26 +78,16 @@ class ShardSource {
   ShardSource& operator=(const ShardSource&) = delete;
 
   // Opens `path` for reading. Returns the reason on failure, "" on success.
-  // Only a regular file is a shard: /dev/zero would read as an empty archive
-  // (its zero blocks are tar's end marker), a FIFO with no writer would hang
-  // open(), and neither has a size to bound a member by. O_NONBLOCK keeps
-  // open() from waiting for a FIFO's writer; fstat of the descriptor, not the
-  // path, checks the very file that is read.
+  // Only a regular file is a shard (see open_regular_file): /dev/zero would
+  // read as an empty archive, its zero blocks being tar's end marker.
   std::string open_file(const std::string& path) {
-    do {
-      fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    } while (fd_ < 0 && errno == EINTR);
-    if (fd_ < 0) return "cannot open shard: " + error_text(errno);
-    struct stat info {};
-    if (::fstat(fd_, &info) != 0) return "cannot stat shard: " + error_text(errno);
-    if (!S_ISREG(info.st_mode)) {
-      return "cannot read shard: not a regular file (" + file_type_name(info.st_mode) + ")";
+    OpenedFile opened = open_regular_file(path);
+    if (opened.problem.starts_with("cannot ")) {
+      return opened.problem.insert(opened.problem.find(':'), " shard");  // "cannot open shard: ..."
     }
-    const int flags = ::fcntl(fd_, F_GETFL);
-    if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-      return "cannot clear O_NONBLOCK on shard: " + error_text(errno);
-    }
-    size_ = static_cast<uint64_t>(info.st_size);
+    if (!opened.problem.empty()) return "cannot read shard: " + opened.problem;
+    fd_ = opened.fd;
+    size_ = opened.size;
     file_buffer_.resize(kReadBlockBytes);
     return {};
   }
@@ -142,7 +125,7 @@ class ShardSource {
       if (got < 0) {
         const int error_number = errno;
         archive_set_error(archive, error_number, "read failed: %s",
-                          error_text(error_number).c_str());
+                          os_reason(error_number).c_str());
         return ARCHIVE_FATAL;
       }
       count = static_cast<size_t>(got);

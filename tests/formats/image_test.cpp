@@ -27,6 +27,7 @@
 #include "conveyor/data_error.h"
 #include "conveyor/errors.h"
 
+#include "support/image_bombs.h"
 #include "support/memory_cap.h"
 
 namespace conveyor {
@@ -512,23 +513,7 @@ std::pair<size_t, size_t> png_chunk(const std::vector<uint8_t>& png, const char*
 using conveyor::testing::exit_zero_if_under_cap;
 using conveyor::testing::exit_zero_on_data_error_under_cap;
 
-// A real JPEG of 16 x 16 pixels whose SOF0 header is patched to claim
-// width x height: a few hundred bytes that a trusting decoder sizes by the
-// claim (40000 x 40000 RGB: 4.8 GB).
-std::vector<uint8_t> jpeg_claiming(uint16_t width, uint16_t height) {
-  std::vector<uint8_t> jpeg = encode_jpeg(smooth_image(3, 16, 16), 90);
-  for (size_t i = 2; i + 8 < jpeg.size(); ++i) {
-    if (jpeg[i] == 0xFF && jpeg[i + 1] == 0xC0) {  // SOF0: length, precision, height, width
-      jpeg[i + 5] = static_cast<uint8_t>(height >> 8);
-      jpeg[i + 6] = static_cast<uint8_t>(height);
-      jpeg[i + 7] = static_cast<uint8_t>(width >> 8);
-      jpeg[i + 8] = static_cast<uint8_t>(width);
-      return jpeg;
-    }
-  }
-  ADD_FAILURE() << "no SOF0 marker";
-  return jpeg;
-}
+using conveyor::testing::jpeg_claiming;
 
 void append_big_endian(std::vector<uint8_t>& bytes, uint32_t value) {
   for (int shift = 24; shift >= 0; shift -= 8)

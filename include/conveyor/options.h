@@ -21,17 +21,24 @@
 
 namespace conveyor {
 
-// How batches are assigned to workers when num_workers > 0.
+// How batches of a map-style dataset are assigned to workers, and where the
+// random draws inside the dataset (default_generator()) come from.
+// Iterable datasets always run PyTorch's way: one replica per worker, batches
+// taken round-robin, each worker drawing from its own stream.
 enum class Scheduling {
-  // PyTorch's: batch k runs on worker k % num_workers, each worker fetches
-  // its batches in order, and worker w's default_generator() is seeded
-  // base_seed + w, so random draws inside a dataset equal PyTorch's workers'.
-  round_robin,
-  // Any free worker takes the next batch. Each batch's default_generator()
-  // is seeded from (base_seed, epoch, batch seq), so augmentations are the
-  // same for any num_workers (0 included), and one slow batch does not idle
-  // the rest.
+  // The default. Any free worker takes the next batch, and each batch's
+  // default_generator() is seeded from (base_seed, epoch, batch), also
+  // without workers: augmentations are the same for any num_workers, 0
+  // included, and a slow batch never idles the others (LibTorch's C++
+  // loader shares one queue the same way). The sampler's order is PyTorch's
+  // either way; only draws inside the dataset differ from PyTorch's workers.
   work_stealing,
+  // PyTorch's workers exactly: batch k runs on worker k % num_workers, each
+  // worker fetches its batches in order, worker w's default_generator() is
+  // the stream seeded base_seed + w (the process's generator without
+  // workers), so draws inside a dataset equal PyTorch's. A straggler holds up
+  // the batches queued behind it on its worker.
+  round_robin,
 };
 
 struct LoaderOptions {
@@ -74,7 +81,7 @@ struct LoaderOptions {
   std::optional<uint64_t> seed{};
   // Hand batches out in sampler order (true) or as soon as each is ready.
   bool in_order = true;
-  Scheduling scheduling = Scheduling::round_robin;
+  Scheduling scheduling = Scheduling::work_stealing;
 };
 
 }  // namespace conveyor

@@ -18,9 +18,8 @@
 
 #include <cstring>
 #include <memory>
-#include <optional>
-#include <tuple>
 
+#include "conveyor_run.h"
 #include "workloads.h"
 
 namespace {
@@ -70,87 +69,6 @@ struct StragglerDataset {  // W4
   int64_t get(size_t index) { return perf::w4_sample(index); }
 };
 
-// ---- batches ------------------------------------------------------------------
-
-template <class T>
-size_t batch_length(const conveyor::Array<T>& array) {
-  return array.shape().empty() ? 0 : static_cast<size_t>(array.shape()[0]);
-}
-template <class... Ts>
-size_t batch_length(const std::tuple<Ts...>& batch) {
-  return batch_length(std::get<0>(batch));
-}
-
-struct MetricsSum {
-  double fetch = 0, collate = 0, wait = 0, wall = 0, in_flight_weighted = 0;
-  int64_t batches = 0;
-  size_t window = 0;
-  void add(const conveyor::LoaderMetrics& m, double sign) {
-    fetch += sign * m.fetch_seconds;
-    collate += sign * m.collate_seconds;
-    wait += sign * m.wait_seconds;
-    wall += sign * m.wall_seconds;
-    in_flight_weighted += sign * m.mean_in_flight * static_cast<double>(m.batches);
-    batches += (sign > 0 ? 1 : -1) * static_cast<int64_t>(m.batches);
-    window = m.window;
-  }
-};
-
-template <class D>
-int run(const perf::Args& args, D& dataset, const std::string& note = "") {
-  conveyor::LoaderOptions options;
-  options.batch_size = args.batch_size;
-  options.num_workers = args.workers;
-  options.prefetch_factor = args.prefetch_factor;
-  options.persistent_workers = args.workers > 0;
-  options.seed = 0;
-  options.in_order = args.in_order != 0;
-  options.scheduling = args.scheduling == "work_stealing" ? conveyor::Scheduling::work_stealing
-                                                          : conveyor::Scheduling::round_robin;
-  conveyor::DataLoader loader(dataset, options);
-  using Loader = decltype(loader);
-  std::optional<typename Loader::Epoch> epoch;
-  MetricsSum sum;
-  auto close_epoch = [&] {
-    if (epoch) {
-      sum.add(epoch->metrics(), +1);
-      epoch.reset();
-    }
-  };
-  bool timing = false;
-  perf::Result result = perf::drive(
-      args,
-      [&] {
-        if (timing) close_epoch();
-        else epoch.reset();
-        epoch.emplace(loader.iter());
-      },
-      [&](size_t& samples) {
-        auto batch = epoch->next();
-        if (!batch) return false;
-        samples = batch_length(*batch);
-        return true;
-      },
-      [&] {
-        timing = true;
-        // The warm-up epoch's share so far is not the timed phase's.
-        if (epoch) sum.add(epoch->metrics(), -1);
-      });
-  close_epoch();
-  result.peer = "conveyor";
-  const double stall = sum.wall > 0 ? sum.wait / sum.wall : 0;
-  char extra[512];
-  std::snprintf(extra, sizeof extra,
-                ",\"metrics\":{\"batches\":%lld,\"stall_pct\":%.3f,\"fetch_s\":%.6f,\"collate_s\":%.6f,"
-                "\"wait_s\":%.6f,\"wall_s\":%.6f,\"mean_in_flight\":%.3f,\"window\":%zu}%s",
-                static_cast<long long>(sum.batches), 100 * stall, sum.fetch, sum.collate, sum.wait,
-                sum.wall, sum.batches ? sum.in_flight_weighted / static_cast<double>(sum.batches) : 0.0,
-                sum.window, note.c_str());
-  result.extra = extra;
-  perf::print_result(args, result);
-  return 0;
-}
-
 #if CONVEYOR_PERF_HAVE_FORMATS
 // W5: examples/train_fashion_mnist.cpp's `decode` and `augment`.
 struct Sample {
@@ -184,7 +102,7 @@ int run_w5(perf::Args args) {
       shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
       conveyor::OnError::skip);
   args.samples = 0;  // streamed: the count is whatever the shards hold
-  return run(args, *decoded);
+  return perf::run_conveyor(args, *decoded, "conveyor");
 }
 #endif
 
@@ -195,23 +113,23 @@ int main(int argc, char** argv) {
   try {
     if (args.workload == "W0") {
       TinyDataset dataset{args.samples};
-      return run(args, dataset);
+      return perf::run_conveyor(args, dataset, "conveyor");
     }
     if (args.workload == "W1") {
       InMemoryImages dataset{std::make_shared<perf::W1Data>(args.samples)};
-      return run(args, dataset, ",\"dataset_bytes\":" + std::to_string(dataset.data->bytes()));
+      return perf::run_conveyor(args, dataset, "conveyor", ",\"dataset_bytes\":" + std::to_string(dataset.data->bytes()));
     }
     if (args.workload == "W2") {
       SpinDataset dataset{args.samples, args.w2_iterations};
-      return run(args, dataset, ",\"w2_iterations\":" + std::to_string(args.w2_iterations));
+      return perf::run_conveyor(args, dataset, "conveyor", ",\"w2_iterations\":" + std::to_string(args.w2_iterations));
     }
     if (args.workload == "W3") {
       SleepDataset dataset{args.samples};
-      return run(args, dataset);
+      return perf::run_conveyor(args, dataset, "conveyor");
     }
     if (args.workload == "W4") {
       StragglerDataset dataset{args.samples};
-      return run(args, dataset);
+      return perf::run_conveyor(args, dataset, "conveyor");
     }
 #if CONVEYOR_PERF_HAVE_FORMATS
     if (args.workload == "W5") return run_w5(args);

@@ -26,6 +26,7 @@
 #include <optional>
 #include <thread>
 
+#include "torch_samples.h"
 #include "workloads.h"
 
 namespace {
@@ -37,9 +38,7 @@ namespace datasets = torch::data::datasets;
 // W0: the sample is its index, as a 0-dim int64 tensor.
 struct TinyDataset : datasets::Dataset<TinyDataset, TensorExample> {
   explicit TinyDataset(size_t n) : n(n) {}
-  TensorExample get(size_t index) override {
-    return TensorExample(torch::scalar_tensor(static_cast<int64_t>(index), torch::kLong));
-  }
+  TensorExample get(size_t index) override { return TensorExample(perf::torch_samples::tiny(index)); }
   torch::optional<size_t> size() const override { return n; }
   size_t n;
 };
@@ -47,21 +46,10 @@ struct TinyDataset : datasets::Dataset<TinyDataset, TensorExample> {
 // W1: as torch::data::datasets::TensorDataset does, a sample is a view of
 // the in-memory tensors (images[i]); Stack<> makes the one copy.
 struct InMemoryImages : datasets::Dataset<InMemoryImages, Example<>> {
-  explicit InMemoryImages(std::shared_ptr<perf::W1Data> data)
-      : data(std::move(data)),
-        images(torch::from_blob(this->data->images.data(),
-                                {static_cast<int64_t>(this->data->size()), perf::kW1Channels, perf::kW1Height,
-                                 perf::kW1Width},
-                                torch::kFloat)),
-        labels(torch::from_blob(this->data->labels.data(), {static_cast<int64_t>(this->data->size())},
-                                torch::kLong)) {}
-  Example<> get(size_t index) override {
-    const auto i = static_cast<int64_t>(index);
-    return {images[i], labels[i]};
-  }
-  torch::optional<size_t> size() const override { return data->size(); }
-  std::shared_ptr<perf::W1Data> data;  // owns what the tensors view
-  torch::Tensor images, labels;
+  explicit InMemoryImages(std::shared_ptr<perf::W1Data> data) : images(std::move(data)) {}
+  Example<> get(size_t index) override { return images.get(index); }
+  torch::optional<size_t> size() const override { return images.size(); }
+  perf::torch_samples::InMemoryImages images;
 };
 
 // W2-W4: the sample is the work's result, a 0-dim int64 tensor.
@@ -69,7 +57,7 @@ template <int64_t (*Work)(size_t, int64_t)>
 struct WorkDataset : datasets::Dataset<WorkDataset<Work>, TensorExample> {
   WorkDataset(size_t n, int64_t parameter) : n(n), parameter(parameter) {}
   TensorExample get(size_t index) override {
-    return TensorExample(torch::scalar_tensor(Work(index, parameter), torch::kLong));
+    return TensorExample(perf::torch_samples::work_result(Work(index, parameter)));
   }
   torch::optional<size_t> size() const override { return n; }
   size_t n;

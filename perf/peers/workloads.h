@@ -189,7 +189,7 @@ inline std::vector<uint8_t> pread_bytes(int fd, uint64_t offset, uint64_t size) 
 struct Args {
   std::string workload = "W0";
   int workers = 0;
-  std::string scheduling = "round_robin";
+  std::string scheduling;  // empty: the loader's default
   int in_order = 1;
   double seconds = 2.0;   // timed phase
   double warmup = 1.0;    // the warm-up epoch, cut after this many seconds

@@ -211,7 +211,10 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize 
           make_pinned_allocator(plan.transfer_device, plan.window + plan.prefetch_to_device + 2);
     }
   }
-  plan.scheduling = options.scheduling;
+  // An iterable dataset's batches come from per-worker replicas in
+  // PyTorch's rotation; nothing there to steal, and each replica draws from
+  // its worker's stream.
+  plan.scheduling = kind == DatasetKind::iterable ? Scheduling::round_robin : options.scheduling;
   plan.worker_init_fn = options.worker_init_fn;
   return plan;
 }

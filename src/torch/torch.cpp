@@ -4,6 +4,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -14,19 +15,56 @@
 
 namespace conveyor {
 
+namespace {
+
+// Whether torch.stack(samples) is a copy of each sample's bytes in turn:
+// contiguous dense CPU tensors of one dtype and one shape, nothing lazy
+// (conjugate or negative views) and nothing for autograd to record. Then
+// collate copies them itself: at::stack_out goes through cat, which makes
+// an unsqueezed view (a TensorImpl) of every sample and checks each.
+bool stack_is_a_copy(const std::vector<at::Tensor>& samples) {
+  const at::Tensor& first = samples.front();
+  const at::IntArrayRef sizes = first.sizes();
+  const at::ScalarType dtype = first.scalar_type();
+  for (const at::Tensor& sample : samples) {
+    if (!sample.defined() || sample.layout() != at::kStrided || !sample.device().is_cpu() ||
+        sample.scalar_type() != dtype || sample.sizes() != sizes || !sample.is_contiguous() ||
+        sample.requires_grad() || sample.is_conj() || sample.is_neg() || sample.is_quantized()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 at::Tensor collate_traits<at::Tensor>::collate(std::vector<at::Tensor>&& samples) {
   if (samples.empty()) throw ValueError("default_collate: cannot collate an empty batch");
   const at::Tensor& first = samples.front();
-  if (!first.device().is_cpu()) return at::stack(samples, 0);
+  const bool copy = stack_is_a_copy(samples);
+  // On a device, or for autograd (out= variants record no graph): torch's.
+  if (!copy && (!first.device().is_cpu() ||
+                std::any_of(samples.begin(), samples.end(), [](const at::Tensor& t) { return t.requires_grad(); }))) {
+    return at::stack(samples, 0);
+  }
   std::vector<int64_t> sizes{static_cast<int64_t>(samples.size())};
   for (int64_t extent : first.sizes()) sizes.push_back(extent);
+  // Unequal samples: torch's own checks and messages (stack_out below).
+  const size_t sample_bytes = copy ? first.nbytes() : 0;
   int64_t numel = 1;
   for (int64_t extent : sizes) numel *= extent;
   const auto bytes = static_cast<size_t>(numel) * first.element_size();
   std::shared_ptr<std::byte> buffer = allocate_batch_buffer(bytes);
   std::byte* data = buffer.get();
   at::Tensor out = detail::tensor_over(std::move(buffer), data, sizes, first.scalar_type());
-  at::stack_out(out, samples, 0);
+  if (!copy) {
+    at::stack_out(out, samples, 0);
+    return out;
+  }
+  for (const at::Tensor& sample : samples) {
+    std::memcpy(data, sample.data_ptr(), sample_bytes);
+    data += sample_bytes;
+  }
   return out;
 }
 
@@ -59,7 +97,12 @@ at::Tensor tensor_over(std::shared_ptr<void> owner, void* data, at::IntArrayRef 
   c10::DataPtr data_ptr(data, context, &release_owner, at::Device(at::kCPU));
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data_ptr),
                        /*allocator=*/nullptr, /*resizable=*/false);
-  return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage, 0, sizes);
+  // The TensorImpl directly, as at::empty builds it, without the two
+  // dispatched ops (empty, set_) per batch.
+  at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), c10::scalarTypeToTypeMeta(dtype));
+  tensor.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  return tensor;
 }
 
 std::shared_ptr<void> owner_of(const at::Tensor& tensor) {

@@ -89,7 +89,8 @@ TEST(WorkerParity, RoundRobinMatchesPyTorchWorkersOrderAndDraws) {
                                           .num_workers = static_cast<int>(c.integer("workers")),
                                           .persistent_workers = c.integer("persistent") != 0,
                                           .drop_last = c.integer("drop_last") != 0,
-                                          .seed = c.unsigned_integer("seed")});
+                                          .seed = c.unsigned_integer("seed"),
+                                          .scheduling = Scheduling::round_robin});
     const auto epochs = split(c.results.at(0), '/');
     for (size_t e = 0; e < epochs.size(); ++e) EXPECT_EQ(format_epoch(loader), epochs[e]) << "epoch " << e;
   }
@@ -243,7 +244,8 @@ TEST(ThreadedLoader, AThrowingWorkerInitFnFailsThatWorkersBatchesOnly) {
                                         .worker_init_fn = [&](int id) {
                                           calls.fetch_add(1);
                                           if (id == 1) throw std::runtime_error("no handle for worker 1");
-                                        }});
+                                        },
+                                        .scheduling = Scheduling::round_robin});
   auto epoch = loader.iter();
   std::vector<std::string> events;
   for (int i = 0; i < 6; ++i) {
@@ -279,7 +281,8 @@ TEST(ThreadedLoader, TimeoutNamesTheStuckBatchAndTheWaitCanGoOn) {
   } dataset;
   dataset.gate = &gate;
   dataset.inside = &inside;
-  conveyor::DataLoader loader(dataset, {.batch_size = 2, .num_workers = 2, .timeout = 0.2});
+  conveyor::DataLoader loader(dataset, {.batch_size = 2, .num_workers = 2, .timeout = 0.2,
+                                        .scheduling = Scheduling::round_robin});
   auto epoch = loader.iter();
   EXPECT_EQ((*epoch.next())[0], 0);
   EXPECT_EQ((*epoch.next())[0], 2);
@@ -326,7 +329,8 @@ TEST(PersistentWorkers, InitOnceBaseSeedOnceOneLiveEpoch) {
   RangeDataset dataset(20);
   std::atomic<int> inits{0};
   conveyor::DataLoader loader(dataset, {.batch_size = 5, .num_workers = 3, .persistent_workers = true,
-                                        .worker_init_fn = [&](int) { inits.fetch_add(1); }, .seed = 4});
+                                        .worker_init_fn = [&](int) { inits.fetch_add(1); }, .seed = 4,
+                                        .scheduling = Scheduling::round_robin});
   int64_t base_seed = 0;
   for (int e = 0; e < 3; ++e) {
     auto epoch = loader.iter();
@@ -349,7 +353,7 @@ TEST(WorkerInfo, ManualSeedInWorkerInitFnSeedsThatWorkersGenerator) {
   Augmented dataset;
   conveyor::DataLoader loader(dataset, {.batch_size = 1, .num_workers = 2,
                                         .worker_init_fn = [](int id) { conveyor::manual_seed(1000 + id); },
-                                        .seed = 5});
+                                        .seed = 5, .scheduling = Scheduling::round_robin});
   std::vector<double> draws[2];
   int64_t k = 0;
   for (auto& [ids, values] : loader) {
@@ -374,7 +378,8 @@ TEST(WorkerInfo, DatasetsSeeTheirWorker) {
               &info->dataset<Introspective>() == this ? 1 : 0};
     }
   } dataset;
-  conveyor::DataLoader loader(dataset, {.batch_size = 1, .num_workers = 3, .seed = 8});
+  conveyor::DataLoader loader(dataset, {.batch_size = 1, .num_workers = 3, .seed = 8,
+                                        .scheduling = Scheduling::round_robin});
   auto epoch = loader.iter();
   const int64_t base = epoch.base_seed();
   int64_t k = 0;

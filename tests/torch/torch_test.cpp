@@ -98,6 +98,30 @@ TEST(TensorCollate, StacksIntoOneAlignedOutput) {
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(at::equal(batch[i], at::full({3, 2}, static_cast<float>(i))));
 }
 
+TEST(TensorCollate, EveryKindOfSampleStacksAsTorchStackDoes) {
+  // collate copies plain samples itself and leaves the rest to at::stack_out:
+  // either way the batch must be torch.stack's.
+  auto compare = [](const std::string& what, std::vector<at::Tensor> samples) {
+    SCOPED_TRACE(what);
+    const at::Tensor expected = at::stack(samples, 0);
+    const at::Tensor batch = conveyor::default_collate(std::vector<at::Tensor>(samples));
+    EXPECT_EQ(batch.sizes(), expected.sizes());
+    EXPECT_EQ(batch.scalar_type(), expected.scalar_type());
+    EXPECT_TRUE(at::equal(batch, expected));
+    EXPECT_EQ(batch.requires_grad(), expected.requires_grad());
+  };
+  const at::Tensor grid = at::arange(24, at::kLong).reshape({4, 2, 3});
+  compare("0-d scalars", {at::scalar_tensor(7, at::kLong), at::scalar_tensor(-1, at::kLong)});
+  compare("contiguous views of one tensor", {grid[0], grid[1], grid[3]});
+  compare("transposed (non-contiguous) views", {grid[0].t(), grid[2].t()});
+  compare("strided slices", {grid.select(2, 0), grid.select(2, 1)});
+  compare("empty samples", {at::zeros({0, 3}), at::zeros({0, 3})});
+  compare("bool", {at::ones({5}, at::kBool), at::zeros({5}, at::kBool)});
+  compare("requiring grad", {at::ones({2}, at::TensorOptions().requires_grad(true)), at::zeros({2})});
+  compare("requiring grad, not first", {at::zeros({2}), at::ones({2}, at::TensorOptions().requires_grad(true))});
+  compare("conjugate view", {at::ones({2}, at::kComplexFloat).conj(), at::ones({2}, at::kComplexFloat)});
+}
+
 TEST(TensorCollate, UnequalSizesGiveTorchsMessage) {
   std::vector<at::Tensor> samples{at::zeros({3}), at::zeros({4})};
   try {

@@ -18,6 +18,7 @@
 #include "conveyor/collate.h"
 #include "conveyor/dataset.h"
 #include "conveyor/buffer.h"
+#include "conveyor/detail/buffer_pool.h"
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
@@ -137,7 +138,13 @@ struct LoaderCore {
         collate(std::move(collate_in)),
         plan(std::move(plan_in)),
         // A borrowed dataset comes in a shared_ptr that owns nothing.
-        owns_dataset(dataset.use_count() > 0) {}
+        owns_dataset(dataset.use_count() > 0),
+        // The pinned pool with pin_memory; otherwise enough idle buffers per
+        // size class for a window of batches and the consumer's, kept for
+        // the loader's life: a steady loader, with or without workers,
+        // writes its batches into warm memory and never touches the heap.
+        batch_memory(plan.batch_allocator ? plan.batch_allocator
+                                          : make_recycling_allocator(plan.window + 2)) {}
 
   std::shared_ptr<D> dataset;
   C collate;
@@ -145,6 +152,8 @@ struct LoaderCore {
   // The loader shares ownership of the dataset (else the user lends it):
   // then an epoch abandoned behind a stuck sample need not wait for it.
   bool owns_dataset;
+  // Where collate writes batches (see make_batch).
+  std::shared_ptr<BufferAllocator> batch_memory;
   // len(loader) of an iterable dataset, once asked; for the "more batches
   // than len()" warning. Consumer thread only.
   std::optional<size_t> reported_length;
@@ -163,8 +172,7 @@ struct LoaderCore {
   // Fetch and collate one map-style batch. `stage` names the step running
   // when an exception leaves; `times` gets the time of each. Collate (only
   // collate: not what the dataset allocates) writes into `batch_memory`.
-  batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times,
-                        BufferAllocator* batch_memory) const {
+  batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times) const {
     const auto start = std::chrono::steady_clock::now();
     stage = "fetch";
     if constexpr (batch_of<sample_type, C>::kTakesBatch) {
@@ -173,7 +181,7 @@ struct LoaderCore {
         const auto fetched = std::chrono::steady_clock::now();
         times.fetch_ns += nanoseconds_since(start);
         stage = "collate";
-        AllocatorScope collate_memory(batch_memory);
+        AllocatorScope collate_memory(batch_memory.get());
         batch_type batch = collate(std::move(samples));
         times.collate_ns += nanoseconds_since(fetched);
         return batch;
@@ -184,7 +192,7 @@ struct LoaderCore {
       const auto fetched = std::chrono::steady_clock::now();
       times.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      AllocatorScope collate_memory(batch_memory);
+      AllocatorScope collate_memory(batch_memory.get());
       batch_type batch = collate(std::move(sample));
       times.collate_ns += nanoseconds_since(fetched);
       return batch;
@@ -193,8 +201,8 @@ struct LoaderCore {
   }
 
   // Collate what an iterable replica produced.
-  batch_type collate_samples(std::vector<sample_type>&& samples, BufferAllocator* batch_memory) const {
-    AllocatorScope collate_memory(batch_memory);
+  batch_type collate_samples(std::vector<sample_type>&& samples) const {
+    AllocatorScope collate_memory(batch_memory.get());
     if constexpr (batch_of<sample_type, C>::kTakesBatch) {
       if (plan.auto_collation) return collate(std::move(samples));
     }
@@ -258,7 +266,7 @@ class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batc
     const char* stage = "fetch";
     InlineBatchScope scope(core_->plan, base_seed_, epoch_, seq);
     try {
-      return core_->make_batch(indices_, stage, times_, core_->plan.batch_allocator.get());
+      return core_->make_batch(indices_, stage, times_);
     } catch (...) {
       throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
     }
@@ -315,7 +323,7 @@ class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>:
       const auto fetched = std::chrono::steady_clock::now();
       times_.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      batch_type batch = core_->collate_samples(std::move(samples), plan.batch_allocator.get());
+      batch_type batch = core_->collate_samples(std::move(samples));
       times_.collate_ns += nanoseconds_since(fetched);
       return batch;
     } catch (...) {

@@ -38,7 +38,8 @@ struct LoaderPlan {
   std::shared_ptr<BufferAllocator> batch_allocator;
   std::shared_ptr<TransferDevice> transfer_device;
   size_t prefetch_to_device = 0;
-  Scheduling scheduling = Scheduling::round_robin;
+  // round_robin for iterable datasets, whatever the option said.
+  Scheduling scheduling = Scheduling::work_stealing;
   std::function<void(int)> worker_init_fn;
 };
 

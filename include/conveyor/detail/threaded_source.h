@@ -58,11 +58,6 @@ class WorkerPool final : public TaskRunner {
   explicit WorkerPool(Core& core)
       : core_(core),
         window_(window_for(core.plan)),
-        // The pinned pool with pin_memory; otherwise enough idle buffers per
-        // size class for a window of batches and the consumer's: a steady
-        // loader then never touches the heap.
-        buffers_(core.plan.batch_allocator ? core.plan.batch_allocator
-                                           : make_recycling_allocator(window_ + 2)),
         results_(window_) {
     const LoaderPlan& plan = core.plan;
     EngineConfig config;
@@ -102,7 +97,7 @@ class WorkerPool final : public TaskRunner {
           stage = "worker_init_fn";
           std::rethrow_exception(init_failure);
         }
-        out.batch.emplace(core_.make_batch(job.indices, stage, out.times, buffers_.get()));
+        out.batch.emplace(core_.make_batch(job.indices, stage, out.times));
       } else {
         produce_from_replica(job, worker, init_failure, out, stage);
       }
@@ -160,7 +155,7 @@ class WorkerPool final : public TaskRunner {
       const auto fetched = std::chrono::steady_clock::now();
       out.times.fetch_ns += nanoseconds_since(start);
       stage = "collate";
-      out.batch.emplace(core_.collate_samples(std::move(samples), buffers_.get()));
+      out.batch.emplace(core_.collate_samples(std::move(samples)));
       out.times.collate_ns += nanoseconds_since(fetched);
     } else {
       (void)job, (void)worker, (void)init_failure, (void)out, (void)stage;
@@ -169,7 +164,6 @@ class WorkerPool final : public TaskRunner {
 
   Core& core_;
   size_t window_;
-  std::shared_ptr<BufferAllocator> buffers_;
   std::vector<SlotResult<batch_type>> results_;  // by slot; see the engine's contract
   std::vector<Replica> replicas_;                // by worker
   std::optional<Engine> engine_;                 // last: stopped first

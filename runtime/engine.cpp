@@ -17,10 +17,14 @@
 // the awaited one while window < 2^64.
 //
 // Parking: the consumer spins briefly, then parks on a LightweightSemaphore.
-// It raises `consumer_parked` before its last check; a worker signals after
-// publishing only if that flag is up. Two seq_cst fences make the pair
-// (store flag; check result) / (publish result; load flag) a Dekker
-// handshake: at least one side sees the other, so no wake-up is lost.
+// It says which slot it waits for (`awaited_slot`, or any) and raises
+// `consumer_parked` before its last check; a worker signals after publishing
+// only if that flag is up and its slot is the awaited one. Two seq_cst fences
+// make the pair (store slot and flag; check result) / (publish result; load
+// flag and slot) a Dekker handshake: at least one side sees the other, so no
+// wake-up is lost. In order, a worker finishing a batch behind the awaited
+// one lets the consumer sleep on: each wake-up is a futex call and, with
+// more busy threads than cores, a reschedule of a worker.
 #include "conveyor/detail/engine.h"
 
 #include <oneapi/tbb/global_control.h>
@@ -353,8 +357,13 @@ struct Shared {
   // (release) bump is acquired by workers before deciding to run a job.
   std::atomic<uint64_t> generation{0};
 
+  static constexpr int64_t kAnySlot = -1;
+
   moodycamel::LightweightSemaphore wake;  // parks the consumer
   alignas(64) std::atomic<bool> consumer_parked{false};
+  // The slot the parked consumer waits for, or kAnySlot. Written with
+  // consumer_parked, before (C2); read with it, after (P2).
+  std::atomic<int64_t> awaited_slot{kAnySlot};
 
   void publish(const Job& job) {
     Slot& slot = slots[job.slot];
@@ -362,7 +371,11 @@ struct Shared {
     if (!config.in_order) completed.enqueue(job.slot);
     // (P2) with the consumer's (C2): whichever runs second sees the other.
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (consumer_parked.load(std::memory_order_relaxed)) wake.signal();  // ordered by the fence above
+    // Both loads ordered by the fence above; a stale pair only adds a spare
+    // signal, or skips one the consumer does not need (it saw the publish).
+    if (!consumer_parked.load(std::memory_order_relaxed)) return;
+    const int64_t awaited = awaited_slot.load(std::memory_order_relaxed);
+    if (awaited == kAnySlot || awaited == static_cast<int64_t>(job.slot)) wake.signal();
   }
 
   // `slot_owned`: the worker state belongs to an arena slot (work stealing)
@@ -595,13 +608,17 @@ struct Engine::Impl {
     }
   }
 
-  // Spins, then parks until `ready()` holds or the timeout passes.
+  // Spins, then parks until `ready()` holds or the timeout passes. Only the
+  // publication of `awaited_slot` (kAnySlot: any) can make `ready()` true.
   template <class Ready>
-  bool wait_until(Ready ready, Clock::time_point deadline, bool has_deadline) {
+  bool wait_until(Ready ready, Clock::time_point deadline, bool has_deadline,
+                  int64_t awaited_slot = Shared::kAnySlot) {
     for (int spin = 0; spin < kSpins; ++spin) {
       if (ready()) return true;
       cpu_relax();
     }
+    // Relaxed: the fence below orders it against the check that follows.
+    shared->awaited_slot.store(awaited_slot, std::memory_order_relaxed);
     while (true) {
       // Relaxed: the fence below orders it against the check that follows.
       shared->consumer_parked.store(true, std::memory_order_relaxed);
@@ -631,7 +648,8 @@ struct Engine::Impl {
     CONVEYOR_CHECK(in_flight > taken, "wait_ready with nothing in flight");
     const bool has_deadline = deadline != Clock::time_point::max();
     ReadyBatch ready;
-    if (!wait_until([&] { return try_ready(ready); }, deadline, has_deadline)) {
+    const int64_t awaited = config().in_order ? static_cast<int64_t>(expect_slot) : Shared::kAnySlot;
+    if (!wait_until([&] { return try_ready(ready); }, deadline, has_deadline, awaited)) {
       throw_timeout(config().in_order ? expect_slot : oldest_in_flight());
     }
     return ready;
@@ -722,7 +740,7 @@ struct Engine::Impl {
         std::atomic<uint64_t>& turn = shared->slots[slot].turn;
         const uint64_t want = meta[slot].seq + 1;
         wait_until([&] { return turn.load(std::memory_order_acquire) == want; },  // (C1)
-                   Clock::time_point::max(), false);
+                   Clock::time_point::max(), false, slot);
       }
     } else {
       // The in-flight slots not yet taken by wait_ready() are each enqueued

@@ -4,7 +4,9 @@
 //     W2: spin() iterations for ~50 us of CPU per sample, and the measured
 //     cost per sample at that count; W3: the measured length of one 1 ms
 //     sample sleep; W4: the measured mean cost per sample over indices
-//     0..999 (stragglers included). One JSON line.
+//     0..999 (stragglers included); W0: the cost of a batch of 8 tiny
+//     samples made and collated in a bare loop, no loader (a fresh 64-byte
+//     aligned batch buffer per batch, as collate allocates one). One JSON line.
 //
 //   conveyor_perf_limits --memcpy --threads T [--seconds S] [--samples N] [--batch-size B]
 //     W1's limit: T threads memcpy the W1 data set's samples (12288 image +
@@ -13,6 +15,7 @@
 //     as fast as they can. One JSON line with samples/s.
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "workloads.h"
@@ -24,6 +27,28 @@ double mean_cost_us(int64_t iterations, int samples, uint64_t seed) {
   const auto start = perf::Clock::now();
   for (int i = 0; i < samples; ++i) sink = sink + perf::spin(seed + static_cast<uint64_t>(i), iterations);
   return perf::seconds_since(start) * 1e6 / samples;
+}
+
+// W0 without a loader: get(i) = i for 8 indices, then what collate does,
+// into a fresh aligned buffer. Median of 7 rounds of 200,000 batches.
+double w0_loop_ns_per_batch() {
+  constexpr size_t kBatch = 8;
+  constexpr int kBatches = 200000;
+  std::vector<double> rounds;
+  size_t index = 0;
+  for (int round = 0; round < 7; ++round) {
+    const auto start = perf::Clock::now();
+    for (int b = 0; b < kBatches; ++b) {
+      int64_t samples[kBatch];
+      for (int64_t& sample : samples) sample = static_cast<int64_t>(index++);
+      auto* batch = static_cast<int64_t*>(::operator new(sizeof samples, std::align_val_t{64}));
+      std::memcpy(batch, samples, sizeof samples);
+      asm volatile("" : : "r"(batch) : "memory");  // keep the copy
+      ::operator delete(batch, std::align_val_t{64});
+    }
+    rounds.push_back(perf::seconds_since(start) * 1e9 / kBatches);
+  }
+  return perf::percentile(rounds, 0.5);
 }
 
 int calibrate(double target_us) {
@@ -57,14 +82,16 @@ int calibrate(double target_us) {
   for (size_t i = 0; i < 1000; ++i) perf::w4_sample(i);
   const double w4_mean = perf::seconds_since(w4_start) * 1e6 / 1000;
 
+  const double w0_loop = w0_loop_ns_per_batch();
+
   std::printf(
       "{\"language\":\"c++\",\"w2_target_us\":%.3f,\"w2_iterations\":%lld,\"w2_cost_us\":%.4f,"
       "\"w2_cost_trials_us\":[%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f],"
       "\"w3_sleep_mean_us\":%.4f,\"w3_sleep_p50_us\":%.4f,\"w3_sleep_p99_us\":%.4f,"
-      "\"w4_mean_cost_us\":%.4f,\"cores\":%u}\n",
+      "\"w4_mean_cost_us\":%.4f,\"w0_loop_ns_per_batch\":%.3f,\"cores\":%u}\n",
       target_us, static_cast<long long>(iterations), w2_cost, trials[0], trials[1], trials[2], trials[3],
       trials[4], trials[5], trials[6], w3_sum / static_cast<double>(sleeps.size()), perf::percentile(sleeps, 0.5),
-      perf::percentile(sleeps, 0.99), w4_mean, std::thread::hardware_concurrency());
+      perf::percentile(sleeps, 0.99), w4_mean, w0_loop, std::thread::hardware_concurrency());
   return 0;
 }
 

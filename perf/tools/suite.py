@@ -40,6 +40,11 @@ BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64}
 WORKERS = {"W0": [0, 1, 2, 4], "W1": [0, 1, 2, 4], "W2": [1, 2], "W3": [1, 4, 16, 64],
            "W4": [4, 16], "W5": [1, 2]}
 W4_MODES = [("round_robin", 1), ("round_robin", 0), ("work_stealing", 1), ("work_stealing", 0)]
+# conveyor with torch samples on W4: its defaults, and PyTorch's schedule.
+W4_TORCH_MODES = [(None, None), ("round_robin", 1)]
+# Where each peer runs: conveyor-torch has no W5 (W5's samples are the
+# decoder's own in both C++ peers).
+TORCH_SAMPLE_WORKLOADS = ("W0", "W1", "W2", "W3", "W4")
 NAMES = {"W0": "tiny (8-byte samples)", "W1": "overhead-bound (in-memory 3x32x32 float32)",
          "W2": "CPU-bound (~50 us of arithmetic per sample)", "W3": "latency-bound (1 ms sleep per sample)",
          "W4": "stragglers (50 us, every 100th sample 20 ms)",
@@ -61,7 +66,7 @@ class Suite:
         self.seconds = env_float("PERF_SECONDS", 2.0)
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
-        self.peers = env_list("PERF_PEERS", ["conveyor", "libtorch", "python"])
+        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
@@ -86,8 +91,9 @@ class Suite:
             common += ["--w2-iterations", str(iterations)]
         if workload == "W5":
             common += ["--shards", ",".join(self.shards)]
-        if peer == "conveyor":
-            command = [self.binary("conveyor_driver")] + common
+        if peer in ("conveyor", "conveyor-torch"):
+            driver = "conveyor_driver" if peer == "conveyor" else "conveyor_torch_driver"
+            command = [self.binary(driver)] + common
             if scheduling:
                 command += ["--scheduling", scheduling]
             if in_order is not None:
@@ -100,6 +106,11 @@ class Suite:
     def available(self, peer, workload):
         if peer == "conveyor" and not self.binary("conveyor_driver"):
             return "conveyor_driver was not built"
+        if peer == "conveyor-torch":
+            if workload not in TORCH_SAMPLE_WORKLOADS:
+                return "no torch-sample variant (W5's samples are the decoder's own)"
+            if not self.binary("conveyor_torch_driver"):
+                return "conveyor_torch_driver was not built (CONVEYOR_WITH_TORCH=OFF or LibTorch missing)"
         if peer == "libtorch" and not self.binary("libtorch_driver"):
             return "libtorch_driver was not built (CONVEYOR_WITH_TORCH=OFF or LibTorch missing)"
         if peer == "python" and not self.has_torch_python:
@@ -178,7 +189,8 @@ class Suite:
         done = self.durations.get(kind)
         if done:
             return sum(done) / len(done)
-        guess = {"conveyor": 0.6, "libtorch": 1.4, "python": 2.5, "memcpy": 0.7}.get(kind.split(":")[0], 1.0)
+        guess = {"conveyor": 0.6, "conveyor-torch": 1.4, "libtorch": 1.4, "python": 2.5,
+                 "memcpy": 0.7}.get(kind.split(":")[0], 1.0)
         extra = 2.0 if kind.endswith(":W5") and kind.startswith("python") else 0.0
         return self.warmup + self.seconds + guess + extra
 
@@ -226,7 +238,11 @@ class Suite:
                         continue
                     if workload == "W2" and peer == "libtorch" and "c++" not in self.calibration:
                         continue
-                    modes = W4_MODES if (peer == "conveyor" and workload == "W4") else [(None, None)]
+                    modes = [(None, None)]
+                    if workload == "W4" and peer == "conveyor":
+                        modes = W4_MODES
+                    elif workload == "W4" and peer == "conveyor-torch":
+                        modes = W4_TORCH_MODES
                     for scheduling, in_order in modes:
                         label = f"{workload} {peer} workers={workers}"
                         if scheduling:

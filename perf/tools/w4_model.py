@@ -24,13 +24,23 @@ FAST_US, STRAGGLER_US = 50.0, 20000.0
 BATCH = 32
 
 
-def batch_cost_us(b):
-    return sum(STRAGGLER_US if (b * BATCH + j) % STRAGGLER_EVERY == 0 else FAST_US
+def batch_cost_us(b, overshoot_us=0.0):
+    return sum((STRAGGLER_US if (b * BATCH + j) % STRAGGLER_EVERY == 0 else FAST_US) + overshoot_us
                for j in range(BATCH))
 
 
-def run(workers, mode, in_order, batches, prefetch):
-    """Returns (p50 wait ms, p99 wait ms, samples/s) over all but the first 5% of batches."""
+def overshoot_from_mean(measured_mean_us):
+    """What each sleep overran on average, from the measured mean cost per
+    sample over indices 0..999 (the calibration's w4_mean_cost_us): the
+    nominal mean is 0.99 x 50 + 0.01 x 20000 = 249.5 us."""
+    nominal = (1 - 1 / STRAGGLER_EVERY) * FAST_US + STRAGGLER_US / STRAGGLER_EVERY
+    return max(0.0, measured_mean_us - nominal)
+
+
+def run(workers, mode, in_order, batches, prefetch, overshoot_us=0.0):
+    """Returns (p50 wait ms, p99 wait ms, samples/s) over all but the first 5% of batches.
+    `overshoot_us` adds to every sample's cost (a machine's sleeps overrun:
+    the bound on that machine)."""
     window = prefetch * workers
     worker_free_at = [0.0] * workers
     completion = {}           # batch -> time it completes
@@ -41,7 +51,7 @@ def run(workers, mode, in_order, batches, prefetch):
             b = submitted
             submitted += 1
             w = b % workers if mode == "round_robin" else min(range(workers), key=worker_free_at.__getitem__)
-            worker_free_at[w] = max(worker_free_at[w], now) + batch_cost_us(b)
+            worker_free_at[w] = max(worker_free_at[w], now) + batch_cost_us(b, overshoot_us)
             completion[b] = worker_free_at[w]
             heapq.heappush(completed, (worker_free_at[w], b))
         if in_order:

@@ -24,6 +24,7 @@
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/errors.h"
 #include "conveyor/metrics.h"
+#include "conveyor/node.h"
 #include "conveyor/sampler.h"
 
 namespace conveyor::detail {
@@ -73,13 +74,6 @@ inline int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
       .count();
 }
-
-// What BatchSource::try_next() found.
-enum class Poll {
-  ready,    // a batch is in `out`
-  pending,  // none is ready yet; asking again later may give one
-  end,      // the epoch is over
-};
 
 template <class Batch>
 class BatchSource {

@@ -1,0 +1,237 @@
+// conveyor/node.h: the pipeline graph's building block (PyTorch RFC #49440's
+// DataPipe, torchdata's BaseNode): a pull iterator over items of type T.
+//
+//   auto pipeline = conveyor::nodes::from_vector(paths)
+//                 | conveyor::nodes::map(load)
+//                 | conveyor::nodes::shuffle(1000)
+//                 | conveyor::nodes::batch(64);
+//   for (auto& batch : pipeline.pass(epoch)) train_step(batch);
+//
+// The contract every node keeps:
+// - reset(pass) starts a pass (an epoch) over the node and everything
+//   upstream of it. Nothing is opened, listed or read before the first reset
+//   (lazy initialisation): a graph is cheap to build and to copy around.
+// - next() blocks for the next item; std::nullopt ends the pass. try_next()
+//   never waits: an item, "not yet" (Poll::pending) or the end. A node that
+//   computes in the caller's thread is always ready.
+// - An exception from user code inside a node leaves next() as a NodeError
+//   naming the node and the item's position, the original nested; the next
+//   call goes on with the following item (as the DataLoader goes on past a
+//   failed batch).
+// - Randomness is reproducible: a node draws from generators seeded from
+//   (the pass's seed, epoch, the node's id, the item's position), so a
+//   pipeline yields the same items however it is run (0 or N workers).
+// - Sharding happens once, in the framework: the pass names the shard
+//   (rank x worker of world_size x num_workers) and the most upstream node
+//   that is shardable takes only its part; every other node sees its share.
+//
+// Thread-safety: a node is advanced by one thread at a time (a parallel node
+// runs user code on many, and keeps its own upstream on one).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "conveyor/errors.h"
+
+namespace conveyor {
+
+// What a non-blocking next found.
+enum class Poll {
+  ready,    // an item is in `out`
+  pending,  // none is ready yet; asking again later may give one
+  end,      // the pass is over
+};
+
+// The shard a pass runs as: rank `rank` of `world_size` processes, worker
+// `worker` of its `num_workers`. Shard index rank * num_workers + worker of
+// world_size * num_workers, as a DistributedSampler strides ranks and an
+// IterableDataset strides workers.
+struct ShardSpec {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t worker = 0;
+  int64_t num_workers = 1;
+
+  int64_t index() const noexcept { return rank * num_workers + worker; }
+  int64_t count() const noexcept { return world_size * num_workers; }
+  // Throws ValueError naming the field that is out of range.
+  void validate() const;
+};
+
+// What one pass gives every node in the graph.
+struct PassContext {
+  uint64_t epoch = 0;
+  uint64_t seed = 0;  // the pipeline's base seed
+  ShardSpec shard;
+};
+
+namespace detail {
+// Filled in while a reset walks the graph from the sink up: ids are handed
+// out in that walk's order (the same for the same graph shape), and the
+// first shardable node to see `sharded == false` applies the shard.
+struct ResetWalk {
+  uint64_t next_id = 0;
+  bool sharded = false;
+};
+}  // namespace detail
+
+// The seed of item `position` of node `node_id` in a pass: independent of
+// how many threads produce the items.
+uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position) noexcept;
+
+// An exception from user code inside a node (a map function, a filter
+// predicate, a collate function, a source), with where it happened. The
+// original is nested: `std::rethrow_if_nested(e)` or `e.original()`.
+class NodeError : public Error, public std::nested_exception {
+ public:
+  // Must be constructed in the catch block of the original exception.
+  NodeError(const std::string& what, std::string node, uint64_t position)
+      : Error(what), node_(std::move(node)), position_(position) {}
+  const std::string& node() const noexcept { return node_; }
+  // The failed item's position in the node's input (0 for the first).
+  uint64_t position() const noexcept { return position_; }
+  std::exception_ptr original() const noexcept { return nested_ptr(); }
+
+ private:
+  std::string node_;
+  uint64_t position_;
+};
+
+namespace detail {
+// Rethrows the exception in flight as a NodeError naming `node` and
+// `position`; a NodeError from further upstream passes unchanged. Call
+// inside a catch block.
+[[noreturn]] void throw_node_error(const std::string& node, uint64_t position);
+}  // namespace detail
+
+template <class T>
+class Node {
+ public:
+  using item_type = T;
+  virtual ~Node() = default;
+
+  // Starts a pass. Resets everything upstream first.
+  void reset(const PassContext& pass) {
+    detail::ResetWalk walk;
+    reset(pass, walk);
+  }
+  // The graph walk behind reset(): resets upstream, then takes this node's
+  // id (walk.next_id++) and, if shardable and nothing upstream sharded yet,
+  // applies pass.shard.
+  virtual void reset(const PassContext& pass, detail::ResetWalk& walk) = 0;
+
+  virtual std::optional<T> next() = 0;
+  virtual Poll try_next(std::optional<T>& out) {
+    out = next();
+    return out ? Poll::ready : Poll::end;
+  }
+
+  // For errors and metrics: "map", "batch(64)", "untar".
+  virtual std::string name() const = 0;
+};
+
+template <class T>
+using NodePtr = std::unique_ptr<Node<T>>;
+
+// A node graph ending in items of type T: what a source makes and every
+// `| adaptor` step returns. Owns the graph; moves, does not copy.
+template <class T>
+class Pipeline {
+ public:
+  using item_type = T;
+
+  explicit Pipeline(NodePtr<T> node) : node_(std::move(node)) {}
+
+  Node<T>& node() noexcept { return *node_; }
+  NodePtr<T> release() && noexcept { return std::move(node_); }
+
+  // Settings a pass uses: the base seed and the shard. set_epoch() names
+  // the epoch of the next pass (else passes count 0, 1, 2...).
+  Pipeline& seed(uint64_t seed) noexcept {
+    seed_ = seed;
+    return *this;
+  }
+  Pipeline& shard(ShardSpec spec) {
+    spec.validate();
+    shard_ = spec;
+    return *this;
+  }
+  void set_epoch(uint64_t epoch) noexcept { epoch_ = epoch; }
+
+  // One pass, as a range: for (auto& item : pipeline.pass()) ...
+  class Pass;
+  Pass pass() {
+    const PassContext context{epoch_++, seed_, shard_};
+    node_->reset(context);
+    return Pass(*node_);
+  }
+
+ private:
+  NodePtr<T> node_;
+  uint64_t seed_ = 0;
+  uint64_t epoch_ = 0;
+  ShardSpec shard_;
+};
+
+template <class T>
+class Pipeline<T>::Pass {
+ public:
+  class iterator {
+   public:
+    using value_type = T;
+    using difference_type = std::ptrdiff_t;
+    using iterator_concept = std::input_iterator_tag;
+    iterator() = default;
+    T& operator*() const { return **current_; }
+    T* operator->() const { return &**current_; }
+    iterator& operator++() {
+      current_->reset();
+      if (std::optional<T> item = node_->next()) current_->emplace(std::move(*item));
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const iterator& it, std::default_sentinel_t) noexcept {
+      return !it.current_->has_value();
+    }
+
+   private:
+    friend class Pass;
+    explicit iterator(Node<T>& node)
+        : node_(&node), current_(std::make_unique<std::optional<T>>()) {
+      ++*this;
+    }
+    Node<T>* node_ = nullptr;
+    std::unique_ptr<std::optional<T>> current_;  // on the heap: see DataLoader::iterator
+  };
+
+  // The blocking and non-blocking next of the pass's last node.
+  std::optional<T> next() { return node_.next(); }
+  Poll try_next(std::optional<T>& out) { return node_.try_next(out); }
+
+  iterator begin() { return iterator(node_); }
+  std::default_sentinel_t end() const noexcept { return {}; }
+
+ private:
+  friend class Pipeline;
+  explicit Pass(Node<T>& node) : node_(node) {}
+  Node<T>& node_;
+};
+
+// `pipeline | adaptor`: an adaptor is anything callable with a Pipeline<T>&&
+// that returns the longer pipeline (conveyor::nodes::map(f), batch(64), ...).
+template <class T, class Adaptor>
+  requires std::invocable<Adaptor, Pipeline<T>&&>
+auto operator|(Pipeline<T>&& pipeline, Adaptor&& adaptor) {
+  return std::forward<Adaptor>(adaptor)(std::move(pipeline));
+}
+
+}  // namespace conveyor

@@ -1,0 +1,157 @@
+// conveyor/nodes/repeat.h: how many items, how many times.
+//
+//   take(n)       the first n items of each pass
+//   repeat(k)     upstream k times over in one pass (each time a new
+//                 sub-pass: shuffles and augmentations differ); repeat()
+//                 for ever (torchdata's Cycler)
+//   cache()       the first complete pass is kept in memory and replayed by
+//                 later passes without touching upstream (a pass left early
+//                 keeps nothing: the next one reads upstream again)
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conveyor/nodes/stage.h"
+
+namespace conveyor::nodes {
+
+template <class T>
+class Take final : public Stage<T, T> {
+ public:
+  using item_type = T;
+  Take(NodePtr<T> upstream, uint64_t count) : Stage<T, T>(std::move(upstream)), count_(count) {}
+  std::optional<T> next() override {
+    if (this->position_ >= count_) return std::nullopt;
+    return this->pull();
+  }
+  std::string name() const override { return "take(" + std::to_string(count_) + ")"; }
+
+ private:
+  uint64_t count_;
+};
+
+inline auto take(uint64_t count) {
+  return [count]<class T>(Pipeline<T>&& upstream) {
+    return Pipeline<T>(std::make_unique<Take<T>>(std::move(upstream).release(), count));
+  };
+}
+
+template <class T>
+class Repeat final : public Node<T> {
+ public:
+  using item_type = T;
+  Repeat(NodePtr<T> upstream, uint64_t times) : upstream_(std::move(upstream)), times_(times) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    walk_at_start_ = walk;
+    pass_ = pass;
+    round_ = 0;
+    upstream_->reset(round_pass(0), walk);
+    id_ = walk.next_id++;
+  }
+  std::optional<T> next() override {
+    while (round_ < times_) {
+      std::optional<T> item = upstream_->next();
+      if (item) {
+        empty_round_ = false;
+        return item;
+      }
+      // An upstream with nothing in it would make repeat() spin for ever.
+      if (empty_round_) return std::nullopt;
+      if (++round_ == times_) break;
+      empty_round_ = true;
+      conveyor::detail::ResetWalk walk = walk_at_start_;  // the same ids, the same shard
+      upstream_->reset(round_pass(round_), walk);
+    }
+    return std::nullopt;
+  }
+  std::string name() const override {
+    return times_ == kForever ? "repeat()" : "repeat(" + std::to_string(times_) + ")";
+  }
+
+  static constexpr uint64_t kForever = std::numeric_limits<uint64_t>::max();
+
+ private:
+  // Round r of pass p runs upstream as its own pass: epoch r, a seed drawn
+  // from p's.
+  PassContext round_pass(uint64_t round) const {
+    PassContext sub = pass_;
+    sub.seed = item_seed(pass_, id_, 0);
+    sub.epoch = round;
+    return sub;
+  }
+
+  NodePtr<T> upstream_;
+  uint64_t times_;
+  PassContext pass_;
+  conveyor::detail::ResetWalk walk_at_start_;
+  uint64_t id_ = 0;
+  uint64_t round_ = 0;
+  bool empty_round_ = true;
+};
+
+inline auto repeat(uint64_t times = Repeat<int>::kForever) {
+  return [times]<class T>(Pipeline<T>&& upstream) {
+    return Pipeline<T>(std::make_unique<Repeat<T>>(std::move(upstream).release(), times));
+  };
+}
+
+template <class T>
+class Cache final : public Node<T> {
+ public:
+  using item_type = T;
+  explicit Cache(NodePtr<T> upstream) : upstream_(std::move(upstream)) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    replaying_ = complete_;
+    position_ = 0;
+    const uint64_t first_upstream_id = walk.next_id;
+    if (replaying_) {
+      // Upstream is not reset: downstream ids and sharding stay as they were.
+      walk.next_id += upstream_ids_;
+      walk.sharded = walk.sharded || sharded_upstream_;
+    } else {
+      filling_.clear();
+      upstream_->reset(pass, walk);
+      upstream_ids_ = walk.next_id - first_upstream_id;
+      sharded_upstream_ = walk.sharded;
+    }
+    walk.next_id++;
+  }
+  std::optional<T> next() override {
+    if (replaying_) {
+      if (position_ == filling_.size()) return std::nullopt;
+      return filling_[position_++];
+    }
+    std::optional<T> item = upstream_->next();
+    if (!item) {
+      complete_ = true;
+      return std::nullopt;
+    }
+    filling_.push_back(*item);
+    return item;
+  }
+  std::string name() const override { return "cache"; }
+
+ private:
+  NodePtr<T> upstream_;
+  std::vector<T> filling_;  // the items of the first pass, complete once complete_
+  bool complete_ = false;
+  bool replaying_ = false;
+  size_t position_ = 0;
+  uint64_t upstream_ids_ = 0;  // how many ids upstream takes
+  bool sharded_upstream_ = false;
+};
+
+inline auto cache() {
+  return []<class T>(Pipeline<T>&& upstream) {
+    return Pipeline<T>(std::make_unique<Cache<T>>(std::move(upstream).release()));
+  };
+}
+
+}  // namespace conveyor::nodes

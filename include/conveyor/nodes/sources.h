@@ -1,0 +1,208 @@
+// conveyor/nodes/sources.h: where a pipeline's items come from.
+//
+//   from_vector(items)            the items, in order
+//   from_range(begin, end)        begin, begin + 1, ..., end - 1 (int64_t)
+//   from_map_dataset(d[, s])      d.get(i) for i in sampler s (default: 0..size-1)
+//   from_iterable(d)              d.iter(worker)'s stream
+//
+// Each is shardable: under a ShardSpec it yields only its shard's part
+// (every count()-th item from index(); an iterable dataset is told the shard
+// as its WorkerInfo and splits itself, as PyTorch's workers do).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conveyor/dataset.h"
+#include "conveyor/node.h"
+#include "conveyor/sampler.h"
+
+namespace conveyor::nodes {
+
+namespace detail {
+// Where a shardable source starts and how far it strides this pass.
+struct Stride {
+  size_t first = 0;
+  size_t step = 1;
+};
+inline Stride take_shard(const PassContext& pass, conveyor::detail::ResetWalk& walk) {
+  if (walk.sharded) return {};
+  walk.sharded = true;
+  return {static_cast<size_t>(pass.shard.index()), static_cast<size_t>(pass.shard.count())};
+}
+}  // namespace detail
+
+template <class T>
+class VectorSource final : public Node<T> {
+ public:
+  explicit VectorSource(std::shared_ptr<const std::vector<T>> items) : items_(std::move(items)) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    stride_ = detail::take_shard(pass, walk);
+    next_ = stride_.first;
+    walk.next_id++;
+  }
+  std::optional<T> next() override {
+    if (next_ >= items_->size()) return std::nullopt;
+    const size_t index = next_;
+    next_ += stride_.step;
+    return (*items_)[index];
+  }
+  std::string name() const override { return "from_vector"; }
+
+ private:
+  std::shared_ptr<const std::vector<T>> items_;
+  detail::Stride stride_;
+  size_t next_ = 0;
+};
+
+template <class T>
+Pipeline<T> from_vector(std::vector<T> items) {
+  return Pipeline<T>(
+      std::make_unique<VectorSource<T>>(std::make_shared<const std::vector<T>>(std::move(items))));
+}
+
+class RangeSource final : public Node<int64_t> {
+ public:
+  RangeSource(int64_t begin, int64_t end) : begin_(begin), end_(end) {}
+  using Node<int64_t>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    const detail::Stride stride = detail::take_shard(pass, walk);
+    next_ = begin_ + static_cast<int64_t>(stride.first);
+    step_ = static_cast<int64_t>(stride.step);
+    walk.next_id++;
+  }
+  std::optional<int64_t> next() override {
+    if (next_ >= end_) return std::nullopt;
+    const int64_t value = next_;
+    next_ += step_;
+    return value;
+  }
+  std::string name() const override { return "from_range"; }
+
+ private:
+  int64_t begin_, end_;
+  int64_t next_ = 0, step_ = 1;
+};
+
+inline Pipeline<int64_t> from_range(int64_t begin, int64_t end) {
+  return Pipeline<int64_t>(std::make_unique<RangeSource>(begin, end));
+}
+
+// d.get(i) for the sampler's indices (default: 0 .. d.size() - 1, read at
+// each pass). The dataset is shared, or borrowed through a shared_ptr that
+// owns nothing (it must then outlive the pipeline).
+template <MapStyleDataset D>
+class MapDatasetSource final : public Node<sample_t<D>> {
+ public:
+  using T = sample_t<D>;
+  MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<size_t>> sampler)
+      : dataset_(std::move(dataset)), sampler_(std::move(sampler)) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    stride_ = detail::take_shard(pass, walk);
+    walk.next_id++;
+    if (sampler_) {
+      sampler_->set_epoch(pass.epoch);
+      indices_ = sampler_->iter();
+    } else {
+      indices_ = SequentialSampler([d = dataset_.get()] { return static_cast<size_t>(d->size()); }).iter();
+    }
+    position_ = 0;
+  }
+  std::optional<T> next() override {
+    size_t index = 0;
+    // Skip what belongs to other shards: the k-th index goes to shard k % count.
+    while (true) {
+      if (!indices_->next(index)) return std::nullopt;
+      const size_t k = position_++;
+      if (k % stride_.step == stride_.first) break;
+    }
+    try {
+      return dataset_->get(index);
+    } catch (...) {
+      conveyor::detail::throw_node_error(name(), index);
+    }
+  }
+  std::string name() const override { return "from_map_dataset"; }
+
+ private:
+  std::shared_ptr<D> dataset_;
+  std::shared_ptr<Sampler<size_t>> sampler_;
+  std::unique_ptr<SamplerIterator<size_t>> indices_;
+  detail::Stride stride_;
+  size_t position_ = 0;
+};
+
+template <MapStyleDataset D>
+Pipeline<sample_t<D>> from_map_dataset(std::shared_ptr<D> dataset,
+                                       std::shared_ptr<Sampler<size_t>> sampler = nullptr) {
+  return Pipeline<sample_t<D>>(std::make_unique<MapDatasetSource<D>>(std::move(dataset), std::move(sampler)));
+}
+template <MapStyleDataset D>
+Pipeline<sample_t<D>> from_map_dataset(D& dataset, std::shared_ptr<Sampler<size_t>> sampler = nullptr) {
+  return from_map_dataset(std::shared_ptr<D>(std::shared_ptr<D>(), &dataset), std::move(sampler));
+}
+
+// An iterable dataset's stream. The shard reaches the dataset as its
+// WorkerInfo (id = shard index, num_workers = shard count), so a dataset
+// written for PyTorch's workers splits itself the same way here.
+template <IterableStyleDataset D>
+class IterableSource final : public Node<sample_t<D>> {
+ public:
+  using T = sample_t<D>;
+  explicit IterableSource(std::shared_ptr<D> dataset) : dataset_(std::move(dataset)) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    const detail::Stride stride = detail::take_shard(pass, walk);
+    id_ = walk.next_id++;
+    info_ = WorkerInfo{};
+    info_.id = static_cast<int>(stride.first);
+    info_.num_workers = static_cast<int>(stride.step);
+    info_.seed = item_seed(pass, id_, 0);
+    info_.set_dataset(dataset_.get());
+    if constexpr (requires(D& d) { d.set_epoch(pass.epoch); }) dataset_->set_epoch(pass.epoch);
+    stream_.reset();
+    opened_ = false;
+    position_ = 0;
+  }
+  std::optional<T> next() override {
+    try {
+      if (!opened_) {
+        opened_ = true;  // an iter() that throws ends the stream (PyTorch's rule)
+        stream_ = dataset_->iter(&info_);
+      }
+      if (!stream_) return std::nullopt;
+      std::optional<T> item = stream_->next();
+      if (item) ++position_;
+      return item;
+    } catch (...) {
+      conveyor::detail::throw_node_error(name(), position_);
+    }
+  }
+  std::string name() const override { return "from_iterable"; }
+
+ private:
+  std::shared_ptr<D> dataset_;
+  WorkerInfo info_;
+  std::unique_ptr<SampleIterator<T>> stream_;
+  uint64_t id_ = 0;
+  bool opened_ = false;
+  uint64_t position_ = 0;
+};
+
+template <IterableStyleDataset D>
+Pipeline<sample_t<D>> from_iterable(std::shared_ptr<D> dataset) {
+  return Pipeline<sample_t<D>>(std::make_unique<IterableSource<D>>(std::move(dataset)));
+}
+template <IterableStyleDataset D>
+Pipeline<sample_t<D>> from_iterable(D& dataset) {
+  return from_iterable(std::shared_ptr<D>(std::shared_ptr<D>(), &dataset));
+}
+
+}  // namespace conveyor::nodes

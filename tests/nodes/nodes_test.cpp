@@ -1,0 +1,274 @@
+// The pipeline nodes, each run standalone: what each yields, in which
+// order, per pass; sharding; seeds; errors that name the node and go on.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+#include <conveyor/nodes.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "support/datasets.h"
+
+namespace {
+
+namespace nodes = conveyor::nodes;
+using conveyor::Pipeline;
+using conveyor::ShardSpec;
+
+template <class T>
+std::vector<T> one_pass(Pipeline<T>& pipeline) {
+  std::vector<T> out;
+  for (auto& item : pipeline.pass()) out.push_back(item);
+  return out;
+}
+
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
+  return v;
+}
+
+TEST(Sources, VectorAndRangeGiveTheirItemsEveryPass) {
+  auto vector = nodes::from_vector(std::vector<std::string>{"a", "b", "c"});
+  EXPECT_EQ(one_pass(vector), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(one_pass(vector), (std::vector<std::string>{"a", "b", "c"}));
+  auto range = nodes::from_range(3, 7);
+  EXPECT_EQ(one_pass(range), (std::vector<int64_t>{3, 4, 5, 6}));
+}
+
+TEST(Sources, AMapDatasetThroughItsSamplerAndItsSizeAtEachPass) {
+  conveyor::testing::RangeDataset dataset(6);
+  auto sequential = nodes::from_map_dataset(dataset);
+  EXPECT_EQ(one_pass(sequential), iota(6));
+  dataset.n = 3;
+  EXPECT_EQ(one_pass(sequential), iota(3));
+  auto shuffled = nodes::from_map_dataset(
+      dataset, std::make_shared<conveyor::RandomSampler>(3, false, std::nullopt, conveyor::Generator(5)));
+  std::vector<int64_t> items = one_pass(shuffled);
+  std::sort(items.begin(), items.end());
+  EXPECT_EQ(items, iota(3));
+}
+
+TEST(Sharding, TheMostUpstreamShardableNodeTakesItsShardAndNoItemIsLostOrRepeated) {
+  for (int64_t world : {1, 2, 3}) {
+    for (int64_t workers : {1, 2, 4}) {
+      std::multiset<int64_t> all;
+      for (int64_t rank = 0; rank < world; ++rank) {
+        for (int64_t worker = 0; worker < workers; ++worker) {
+          // map and batch downstream are not shardable: the source shards once.
+          auto pipeline = nodes::from_range(0, 101) | nodes::map([](int64_t x) { return x * 10; }) |
+                          nodes::batch(3);
+          pipeline.shard(ShardSpec{rank, world, worker, workers});
+          for (auto& batch : pipeline.pass()) all.insert(batch.begin(), batch.end());
+        }
+      }
+      std::multiset<int64_t> expected;
+      for (int64_t i = 0; i < 101; ++i) expected.insert(i * 10);
+      EXPECT_EQ(all, expected) << world << " ranks x " << workers << " workers";
+    }
+  }
+  auto bad = nodes::from_range(0, 3);
+  EXPECT_THROW(bad.shard(ShardSpec{2, 2, 0, 1}), conveyor::ValueError);
+  EXPECT_THROW(bad.shard(ShardSpec{0, 1, 0, 0}), conveyor::ValueError);
+}
+
+// An iterable dataset split by WorkerInfo, as a PyTorch IterableDataset is.
+TEST(Sharding, AnIterableDatasetIsToldItsShardAsItsWorker) {
+  conveyor::testing::StridedStream stream(10);
+  std::multiset<int64_t> all;
+  for (int64_t worker = 0; worker < 3; ++worker) {
+    auto pipeline = nodes::from_iterable(stream);
+    pipeline.shard(ShardSpec{0, 1, worker, 3});
+    for (int64_t x : pipeline.pass()) all.insert(x);
+  }
+  EXPECT_EQ(all, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+}
+
+TEST(Transforms, MapFilterFlatMapAndUnbatch) {
+  auto pipeline = nodes::from_range(0, 10) | nodes::filter([](int64_t x) { return x % 3 != 0; }) |
+                  nodes::map([](int64_t x) { return std::to_string(x); });
+  EXPECT_EQ(one_pass(pipeline), (std::vector<std::string>{"1", "2", "4", "5", "7", "8"}));
+  auto flat = nodes::from_range(1, 4) |
+              nodes::flat_map([](int64_t n) { return std::vector<int64_t>(static_cast<size_t>(n), n); });
+  EXPECT_EQ(one_pass(flat), (std::vector<int64_t>{1, 2, 2, 3, 3, 3}));
+  auto round_trip = nodes::from_range(0, 7) | nodes::batch(3) | nodes::unbatch();
+  EXPECT_EQ(one_pass(round_trip), iota(7));
+}
+
+TEST(Transforms, BatchDropLastAndCollate) {
+  auto keep = nodes::from_range(0, 7) | nodes::batch(3);
+  EXPECT_EQ(one_pass(keep), (std::vector<std::vector<int64_t>>{{0, 1, 2}, {3, 4, 5}, {6}}));
+  auto drop = nodes::from_range(0, 7) | nodes::batch(3, /*drop_last=*/true);
+  EXPECT_EQ(one_pass(drop).size(), 2u);
+  auto collated = nodes::from_range(0, 6) | nodes::batch(4) | nodes::collate();
+  std::vector<std::vector<int64_t>> values;
+  for (auto& array : collated.pass()) values.emplace_back(array.values().begin(), array.values().end());
+  EXPECT_EQ(values, (std::vector<std::vector<int64_t>>{{0, 1, 2, 3}, {4, 5}}));
+  EXPECT_THROW(nodes::from_range(0, 1) | nodes::batch(0), conveyor::ValueError);
+}
+
+TEST(Transforms, PaddedBatchPadsEveryDimensionToTheLargest) {
+  std::vector<conveyor::Array<int>> items;
+  for (int64_t length : {2, 3}) {
+    conveyor::Array<int> a({length, 1});
+    for (int64_t i = 0; i < length; ++i) a[static_cast<size_t>(i)] = static_cast<int>(10 * length + i);
+    items.push_back(a);
+  }
+  auto pipeline = nodes::from_vector(items) | nodes::padded_batch<int>(2, -1);
+  std::vector<conveyor::Array<int>> batches = one_pass(pipeline);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].shape(), (std::vector<int64_t>{2, 3, 1}));
+  EXPECT_EQ(std::vector<int>(batches[0].values().begin(), batches[0].values().end()),
+            (std::vector<int>{20, 21, -1, 30, 31, 32}));
+}
+
+TEST(Shuffle, ASeededBufferGivesEveryItemOnceInAnOrderFixedBySeedAndEpoch) {
+  auto make = [](uint64_t seed) {
+    auto p = nodes::from_range(0, 50) | nodes::shuffle(8);
+    p.seed(seed);
+    return p;
+  };
+  auto a = make(1), b = make(1), c = make(2);
+  const auto a0 = one_pass(a), a1 = one_pass(a);
+  EXPECT_EQ(a0, one_pass(b));
+  EXPECT_NE(a0, a1);               // another epoch, another order
+  EXPECT_NE(a0, one_pass(c));      // another seed
+  auto sorted = a0;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, iota(50));
+  EXPECT_NE(a0, iota(50));
+}
+
+TEST(Randomness, MapDrawsDependOnTheItemNotOnWhatRanBefore) {
+  // default_generator() inside map is the item's own, seeded from its position.
+  auto draw = [](int64_t) { return conveyor::uniform(conveyor::default_generator()); };
+  auto all = nodes::from_range(0, 20) | nodes::map(draw);
+  all.seed(9);
+  const std::vector<double> every = one_pass(all);
+  auto again = nodes::from_range(0, 20) | nodes::map(draw);
+  again.seed(9);
+  EXPECT_EQ(one_pass(again), every);
+  EXPECT_NE(every[0], every[1]);
+}
+
+TEST(Repetition, TakeRepeatAndCache) {
+  auto taken = nodes::from_range(0, 100) | nodes::take(3);
+  EXPECT_EQ(one_pass(taken), iota(3));
+  auto twice = nodes::from_range(0, 3) | nodes::repeat(2);
+  EXPECT_EQ(one_pass(twice), (std::vector<int64_t>{0, 1, 2, 0, 1, 2}));
+  auto forever = nodes::from_range(0, 2) | nodes::repeat() | nodes::take(5);
+  EXPECT_EQ(one_pass(forever), (std::vector<int64_t>{0, 1, 0, 1, 0}));
+  auto nothing = nodes::from_range(0, 0) | nodes::repeat();  // would spin for ever
+  EXPECT_TRUE(one_pass(nothing).empty());
+  // Each round of a repeat is a pass of its own: shuffles differ.
+  auto rounds = nodes::from_range(0, 30) | nodes::shuffle(30) | nodes::repeat(2);
+  const auto both = one_pass(rounds);
+  EXPECT_NE(std::vector<int64_t>(both.begin(), both.begin() + 30), std::vector<int64_t>(both.begin() + 30, both.end()));
+
+  int calls = 0;
+  auto cached = nodes::from_range(0, 4) | nodes::map([&calls](int64_t x) {
+                  ++calls;
+                  return x;
+                }) |
+                nodes::cache();
+  EXPECT_EQ(one_pass(cached), iota(4));
+  EXPECT_EQ(one_pass(cached), iota(4));
+  EXPECT_EQ(calls, 4);  // the second pass came from memory
+}
+
+TEST(Combine, ZipMuxAndWeightedMux) {
+  auto zipped = nodes::zip(nodes::from_range(0, 3), nodes::from_vector(std::vector<char>{'a', 'b', 'c', 'd'}));
+  EXPECT_EQ(one_pass(zipped), (std::vector<std::pair<int64_t, char>>{{0, 'a'}, {1, 'b'}, {2, 'c'}}));
+  std::vector<Pipeline<int64_t>> sources;
+  sources.push_back(nodes::from_range(0, 2));
+  sources.push_back(nodes::from_range(10, 14));
+  auto muxed = nodes::mux(std::move(sources));
+  EXPECT_EQ(one_pass(muxed), (std::vector<int64_t>{0, 10, 1, 11, 12, 13}));
+
+  auto weighted = [](uint64_t seed) {
+    std::vector<Pipeline<int64_t>> s;
+    s.push_back(nodes::from_range(0, 3000));
+    s.push_back(nodes::from_range(100000, 103000));
+    auto p = nodes::weighted_mux(std::move(s), {3.0, 1.0}) | nodes::take(2000);
+    p.seed(seed);
+    return p;
+  };
+  auto w1 = weighted(4), w2 = weighted(4);
+  const auto items = one_pass(w1);
+  EXPECT_EQ(items, one_pass(w2));
+  const auto from_first = std::count_if(items.begin(), items.end(), [](int64_t x) { return x < 100000; });
+  EXPECT_NEAR(static_cast<double>(from_first) / 2000.0, 0.75, 0.05);
+  std::vector<Pipeline<int64_t>> bad;
+  bad.push_back(nodes::from_range(0, 1));
+  EXPECT_THROW(nodes::weighted_mux(std::move(bad), {0.0}), conveyor::ValueError);
+}
+
+TEST(Combine, JoinTakesFromWhicheverIsReadyAndLosesNothing) {
+  std::vector<Pipeline<int64_t>> sources;
+  sources.push_back(nodes::from_range(0, 5));
+  sources.push_back(nodes::from_range(100, 102));
+  auto joined = nodes::join(std::move(sources));
+  auto items = one_pass(joined);
+  std::sort(items.begin(), items.end());
+  EXPECT_EQ(items, (std::vector<int64_t>{0, 1, 2, 3, 4, 100, 101}));
+}
+
+TEST(Combine, ForkGivesEveryConsumerEveryItemWithinItsBuffer) {
+  auto outputs = nodes::fork(nodes::from_range(0, 6), 2, /*buffer=*/3);
+  auto a = outputs[0].pass();
+  auto b = outputs[1].pass();
+  std::vector<int64_t> got_a, got_b;
+  for (int i = 0; i < 3; ++i) got_a.push_back(*a.next());
+  EXPECT_THROW(a.next(), conveyor::ValueError);  // a fourth would leave b 4 behind
+  for (int i = 0; i < 3; ++i) got_b.push_back(*b.next());  // b catches up; the buffer drains
+  while (true) {  // in step to the end
+    std::optional<int64_t> x = a.next(), y = b.next();
+    if (!x || !y) {
+      EXPECT_EQ(x.has_value(), y.has_value());
+      break;
+    }
+    got_a.push_back(*x);
+    got_b.push_back(*y);
+  }
+  EXPECT_EQ(got_a, iota(6));
+  EXPECT_EQ(got_b, iota(6));
+}
+
+TEST(Errors, AFailedItemNamesItsNodeAndPositionAndThePassGoesOn) {
+  auto pipeline = nodes::from_range(0, 6) | nodes::map([](int64_t x) {
+                    if (x == 2 || x == 4) throw std::runtime_error("bad item " + std::to_string(x));
+                    return x;
+                  }) |
+                  nodes::batch(2);
+  auto pass = pipeline.pass();
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      auto batch = pass.next();
+      if (!batch) break;
+      std::string text;
+      for (int64_t x : *batch) text += std::to_string(x);
+      events.push_back(text);
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_EQ(e.node(), "map");
+      EXPECT_NE(std::string(e.what()).find("bad item " + std::to_string(e.position())), std::string::npos);
+      events.push_back("error@" + std::to_string(e.position()));
+    }
+  }
+  // The batch gathered before an error keeps its items: nothing is lost.
+  EXPECT_EQ(events, (std::vector<std::string>{"01", "error@2", "error@4", "35"}));
+  auto skipping = nodes::from_range(0, 6) | nodes::map(
+                                                [](int64_t x) {
+                                                  if (x % 2 == 0) throw std::runtime_error("even");
+                                                  return x;
+                                                },
+                                                conveyor::OnError::skip);
+  EXPECT_EQ(one_pass(skipping), (std::vector<int64_t>{1, 3, 5}));
+}
+
+}  // namespace

@@ -562,6 +562,8 @@ struct Engine::Impl {
 
   bool has_room() const { return in_flight < config().window; }
 
+  uint32_t next_slot() const { return config().in_order ? issue_slot : free_slots.back(); }
+
   void submit(int worker, std::span<const size_t> indices) {
     CONVEYOR_CHECK(has_room(), "submit into a full window");
     uint32_t slot = 0;
@@ -807,6 +809,7 @@ Engine::~Engine() = default;
 
 void Engine::begin_epoch(int64_t base_seed, uint64_t epoch) { impl_->begin_epoch(base_seed, epoch); }
 bool Engine::has_room() const noexcept { return impl_->has_room(); }
+uint32_t Engine::next_slot() const noexcept { return impl_->next_slot(); }
 void Engine::submit(int worker, std::span<const size_t> indices) { impl_->submit(worker, indices); }
 ReadyBatch Engine::wait_ready(Clock::time_point deadline) { return impl_->wait_ready(deadline); }
 bool Engine::try_ready(ReadyBatch& ready) { return impl_->try_ready(ready); }

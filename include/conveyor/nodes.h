@@ -6,6 +6,7 @@
 #include "conveyor/nodes/batch.h"
 #include "conveyor/nodes/combine.h"
 #include "conveyor/nodes/map.h"
+#include "conveyor/nodes/parallel.h"
 #include "conveyor/nodes/repeat.h"
 #include "conveyor/nodes/shuffle.h"
 #include "conveyor/nodes/sources.h"

@@ -131,6 +131,9 @@ class Engine {
   // be empty (cancel() empties it).
   void begin_epoch(int64_t base_seed, uint64_t epoch);
   bool has_room() const noexcept;
+  // The window slot the next submit() will use (requires has_room()): a
+  // runner that keeps per-slot input writes it there before submitting.
+  uint32_t next_slot() const noexcept;
   // Queues the next batch for `worker` (-1: any), copying `indices` into the
   // slot's buffer (reused: no allocation once warm). Requires has_room().
   void submit(int worker, std::span<const size_t> indices);

@@ -17,6 +17,7 @@ class Stage : public Node<Out> {
  public:
   using Node<Out>::reset;
   void reset(const PassContext& pass, detail::ResetWalk& walk) override {
+    stop_pass();
     upstream_->reset(pass, walk);
     id_ = walk.next_id++;
     pass_ = pass;
@@ -26,6 +27,9 @@ class Stage : public Node<Out> {
 
  protected:
   explicit Stage(NodePtr<In> upstream) : upstream_(std::move(upstream)) {}
+  // Before anything of a new pass is touched: a node with work in flight
+  // stops it here (its tasks read the pass and the id).
+  virtual void stop_pass() {}
   // A new pass begins: drop what the last one held.
   virtual void start_pass() {}
 

@@ -1,0 +1,322 @@
+// conveyor/nodes/parallel.h: nodes that run on threads of their own.
+//
+//   map(f, {.workers = 8, .in_order = true})   f on `workers` threads, up
+//        to `window` items in flight (default 2 x workers); in input order,
+//        or as each finishes with in_order = false. f's draws come from the
+//        item's own seed: the items are the same for any number of workers.
+//   prefetch(n)   keeps up to n items of upstream produced ahead of the
+//        consumer, on a thread of its own (upstream is only ever advanced by
+//        that one thread at a time).
+//
+// Both run on conveyor's engine (a oneTBB arena, moodycamel queues, the
+// sequence-numbered window): memory is bounded by the window, the hand-off
+// takes no mutex, a pass left early cancels what is queued and waits for
+// what runs. Upstream is pulled on the caller's thread (map) or on the
+// node's strand (prefetch), never by two threads at once. An error keeps
+// its place: next() throws it where the item would have been.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/detail/engine.h"
+#include "conveyor/detail/worker_scope.h"
+#include "conveyor/nodes/map.h"
+#include "conveyor/nodes/stage.h"
+
+namespace conveyor::nodes {
+
+struct MapOptions {
+  // Threads running f; 0 runs it in the caller's thread (the serial map).
+  int workers = 0;
+  // Items in flight; 0: 2 x workers.
+  int window = 0;
+  // Hand items out in input order (true) or as each finishes.
+  bool in_order = true;
+  // raise: next() throws a NodeError at the item's place; skip: the item is
+  // dropped and counted.
+  OnError on_error = OnError::raise;
+};
+
+namespace detail {
+
+// One item's result in the window: what the worker made of it, or why not.
+template <class T>
+struct Result {
+  std::optional<T> value;
+  std::exception_ptr error;
+  uint64_t position = 0;  // the input item's
+  bool end = false;       // prefetch: upstream had no more
+};
+
+inline conveyor::detail::EngineConfig engine_config(int workers, int window, bool in_order, bool strand) {
+  conveyor::detail::EngineConfig config;
+  config.num_workers = static_cast<size_t>(workers);
+  config.window = static_cast<size_t>(window);
+  config.in_order = in_order;
+  config.per_worker_queues = strand;  // a strand: one lane, its jobs one at a time in order
+  config.per_batch_generators = true;  // our runners install the item's seed themselves
+  return config;
+}
+
+}  // namespace detail
+
+template <class In, class F>
+class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
+                          private conveyor::detail::TaskRunner {
+ public:
+  using Out = std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>;
+  using item_type = Out;
+
+  ParallelMap(NodePtr<In> upstream, F f, MapOptions options)
+      : Stage<In, Out>(std::move(upstream)), f_(std::move(f)), options_(options) {
+    if (options_.workers < 1 || options_.workers > 1024) {
+      throw ValueError("map: workers should be in [1, 1024], but got " + std::to_string(options_.workers));
+    }
+    if (options_.window == 0) options_.window = 2 * options_.workers;
+    if (options_.window < 1 || options_.window > (1 << 20)) {
+      throw ValueError("map: window should be in [1, 1048576], but got " + std::to_string(options_.window));
+    }
+    inputs_.resize(static_cast<size_t>(options_.window));
+    positions_.resize(static_cast<size_t>(options_.window));
+    results_.resize(static_cast<size_t>(options_.window));
+  }
+  ~ParallelMap() override { engine_.reset(); }  // stops before the slots go
+
+  std::optional<Out> next() override {
+    std::optional<Out> out;
+    while (true) {
+      fill();
+      if (engine().stats().in_flight == 0) return std::nullopt;
+      if (take(engine().wait_ready(), out)) return out;
+    }
+  }
+  Poll try_next(std::optional<Out>& out) override {
+    while (true) {
+      fill();
+      if (engine().stats().in_flight == 0) return Poll::end;
+      conveyor::detail::ReadyBatch ready;
+      if (!engine().try_ready(ready)) return Poll::pending;
+      if (take(ready, out)) return Poll::ready;
+    }
+  }
+  std::string name() const override { return "map(workers=" + std::to_string(options_.workers) + ")"; }
+  uint64_t skipped() const noexcept { return skipped_; }
+
+ protected:
+  // In-flight items read pass_ and id_ (their seeds): cancelled before the
+  // reset writes them.
+  void stop_pass() override {
+    if (engine_) engine_->cancel();
+  }
+  void start_pass() override {
+    upstream_done_ = false;
+    upstream_error_ = nullptr;
+  }
+
+ private:
+  conveyor::detail::Engine& engine() {
+    if (!engine_) {  // lazily: nothing starts before the first pass asks
+      engine_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
+                      static_cast<conveyor::detail::TaskRunner&>(*this));
+      engine_->begin_epoch(0, 0);
+    }
+    return *engine_;
+  }
+
+  // Pulls upstream on this thread and submits until the window is full. An
+  // upstream error stops the pulling; it is thrown once the items before it
+  // are out (its place).
+  void fill() {
+    while (!upstream_done_ && !upstream_error_ && engine().has_room()) {
+      std::optional<In> item;
+      try {
+        item = this->pull();
+      } catch (...) {
+        upstream_error_ = std::current_exception();
+        return;
+      }
+      if (!item) {
+        upstream_done_ = true;
+        return;
+      }
+      // The slot the engine gives the next job: it is free (the window's
+      // invariant), so its input can be written before the job is queued.
+      const uint32_t slot = engine().next_slot();
+      inputs_[slot].emplace(std::move(*item));
+      positions_[slot] = this->position();
+      engine().submit(-1, {});
+    }
+    if (!upstream_error_ || engine().stats().in_flight > 0) return;
+    std::rethrow_exception(std::exchange(upstream_error_, nullptr));
+  }
+
+  bool take(const conveyor::detail::ReadyBatch& ready, std::optional<Out>& out) {
+    detail::Result<Out> result = std::move(results_[ready.slot]);
+    results_[ready.slot] = {};
+    engine().release(ready);
+    if (result.error) {
+      if (options_.on_error == OnError::skip) {
+        ++skipped_;
+        return false;
+      }
+      try {
+        std::rethrow_exception(result.error);
+      } catch (...) {
+        conveyor::detail::throw_node_error(name(), result.position);
+      }
+    }
+    out = std::move(result.value);
+    return true;
+  }
+
+  // ---- TaskRunner: on the engine's workers ----
+  void init_worker(int) override {}
+  void run(conveyor::detail::Job& job, int, const std::exception_ptr&) noexcept override {
+    detail::Result<Out>& out = results_[job.slot];
+    out.position = positions_[job.slot];
+    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, out.position));
+    try {
+      out.value.emplace(std::as_const(f_)(std::move(*inputs_[job.slot])));  // f runs on many threads
+    } catch (...) {
+      out.error = std::current_exception();
+    }
+    inputs_[job.slot].reset();
+  }
+  void clear(uint32_t slot) noexcept override {
+    inputs_[slot].reset();
+    results_[slot] = {};
+  }
+
+  F f_;
+  MapOptions options_;
+  // By slot. The consumer writes an input before queueing its job; the job
+  // (one worker) reads it and writes the result; the consumer reads that
+  // after the slot's publication (the engine's contract).
+  std::vector<std::optional<In>> inputs_;
+  std::vector<uint64_t> positions_;
+  std::vector<detail::Result<Out>> results_;
+  bool upstream_done_ = false;
+  std::exception_ptr upstream_error_;
+  uint64_t skipped_ = 0;
+  std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
+};
+
+template <class T>
+class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
+ public:
+  using item_type = T;
+  Prefetch(NodePtr<T> upstream, int depth) : upstream_(std::move(upstream)), depth_(depth) {
+    if (depth_ < 1 || depth_ > (1 << 20)) {
+      throw ValueError("prefetch: depth should be in [1, 1048576], but got " + std::to_string(depth_));
+    }
+    results_.resize(static_cast<size_t>(depth_));
+  }
+  ~Prefetch() override { engine_.reset(); }  // stops before the slots go
+
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    // Upstream is the strand's: nothing may run on it while it is reset.
+    if (engine_) engine_->cancel();
+    // No id of its own: adding or removing a prefetch changes no seed.
+    upstream_->reset(pass, walk);
+    ended_ = false;
+    done_ = false;
+  }
+  std::optional<T> next() override {
+    std::optional<T> out;
+    while (!done_) {
+      fill();
+      if (take(engine().wait_ready(), out)) return out;
+    }
+    return std::nullopt;
+  }
+  Poll try_next(std::optional<T>& out) override {
+    while (!done_) {
+      fill();
+      conveyor::detail::ReadyBatch ready;
+      if (!engine().try_ready(ready)) return Poll::pending;
+      if (take(ready, out)) return Poll::ready;
+    }
+    return Poll::end;
+  }
+  std::string name() const override { return "prefetch(" + std::to_string(depth_) + ")"; }
+
+ private:
+  conveyor::detail::Engine& engine() {
+    if (!engine_) {
+      engine_.emplace(detail::engine_config(1, depth_, /*in_order=*/true, /*strand=*/true),
+                      static_cast<conveyor::detail::TaskRunner&>(*this));
+      engine_->begin_epoch(0, 0);
+    }
+    return *engine_;
+  }
+  void fill() {
+    while (engine().has_room()) engine().submit(0, {});
+  }
+  // True with an item in `out`; false at the end (done_).
+  bool take(const conveyor::detail::ReadyBatch& ready, std::optional<T>& out) {
+    detail::Result<T> result = std::move(results_[ready.slot]);
+    results_[ready.slot] = {};
+    engine().release(ready);
+    if (result.error) std::rethrow_exception(result.error);  // upstream's, already named
+    if (result.end) {
+      done_ = true;
+      return false;
+    }
+    out = std::move(result.value);
+    return true;
+  }
+
+  // ---- TaskRunner: on the strand ----
+  void init_worker(int) override {}
+  void run(conveyor::detail::Job& job, int, const std::exception_ptr&) noexcept override {
+    detail::Result<T>& out = results_[job.slot];
+    if (ended_) {
+      out.end = true;
+      return;
+    }
+    try {
+      out.value = upstream_->next();
+      if (!out.value) ended_ = out.end = true;
+    } catch (...) {
+      out.error = std::current_exception();
+    }
+  }
+  void clear(uint32_t slot) noexcept override { results_[slot] = {}; }
+
+  NodePtr<T> upstream_;  // advanced on the strand only (reset after a cancel)
+  int depth_;
+  std::vector<detail::Result<T>> results_;  // by slot (the engine's contract)
+  bool ended_ = false;  // the strand's: upstream said it has no more
+  bool done_ = false;   // the consumer's: the end was handed out
+  std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
+};
+
+inline auto prefetch(int depth) {
+  return [depth]<class T>(Pipeline<T>&& upstream) {
+    return Pipeline<T>(std::make_unique<Prefetch<T>>(std::move(upstream).release(), depth));
+  };
+}
+
+// map(f) runs f in the caller's thread; map(f, {.workers = n}) on n threads.
+template <class F>
+auto map(F f, MapOptions options) {
+  return [f = std::move(f), options]<class T>(Pipeline<T>&& upstream) mutable {
+    if (options.workers == 0) {
+      using Node = Map<T, F>;
+      return Pipeline<typename Node::Out>(
+          std::make_unique<Node>(std::move(upstream).release(), std::move(f), options.on_error));
+    }
+    using Node = ParallelMap<T, F>;
+    return Pipeline<typename Node::Out>(std::make_unique<Node>(std::move(upstream).release(), std::move(f), options));
+  };
+}
+
+}  // namespace conveyor::nodes

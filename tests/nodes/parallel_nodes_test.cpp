@@ -1,0 +1,201 @@
+// The nodes that run on threads (map with workers, prefetch): the same items
+// as the serial run, in order or not, with errors in place, passes left
+// early, and a seeded property test over random pipelines with random delays
+// and failures.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+#include <conveyor/nodes.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "support/sync.h"
+
+namespace {
+
+namespace nodes = conveyor::nodes;
+using conveyor::Pipeline;
+
+template <class T>
+std::vector<T> one_pass(Pipeline<T>& pipeline) {
+  std::vector<T> out;
+  for (auto& item : pipeline.pass()) out.push_back(item);
+  return out;
+}
+
+TEST(ParallelMap, YieldsWhatTheSerialMapYieldsForAnyWorkerCount) {
+  // f draws from default_generator(): the item's own, so the values match too.
+  auto f = [](int64_t x) { return x * 1000 + static_cast<int64_t>(conveyor::uniform(conveyor::default_generator()) * 1000); };
+  auto serial = nodes::from_range(0, 500) | nodes::map(f);
+  serial.seed(3);
+  const std::vector<int64_t> expected = one_pass(serial);
+  for (int workers : {1, 2, 3, 8}) {
+    for (int window : {0, 1, 5}) {
+      auto parallel = nodes::from_range(0, 500) | nodes::map(f, {.workers = workers, .window = window});
+      parallel.seed(3);
+      EXPECT_EQ(one_pass(parallel), expected) << workers << " workers, window " << window;
+    }
+    auto unordered = nodes::from_range(0, 500) | nodes::map(f, {.workers = workers, .in_order = false});
+    unordered.seed(3);
+    std::vector<int64_t> got = one_pass(unordered), sorted = expected;
+    std::sort(got.begin(), got.end());
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(got, sorted) << workers << " workers, out of order";
+  }
+}
+
+TEST(ParallelMap, ErrorsKeepTheirPlaceAndSkippedItemsAreCounted) {
+  auto f = [](int64_t x) {
+    if (x % 7 == 3) throw std::runtime_error("no " + std::to_string(x));
+    return x;
+  };
+  auto pipeline = nodes::from_range(0, 20) | nodes::map(f, {.workers = 3});
+  auto pass = pipeline.pass();
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      auto item = pass.next();
+      if (!item) break;
+      events.push_back(std::to_string(*item));
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_EQ(e.node(), "map(workers=3)");
+      events.push_back("error@" + std::to_string(e.position()));
+    }
+  }
+  std::vector<std::string> expected;
+  for (int64_t x = 0; x < 20; ++x) expected.push_back(x % 7 == 3 ? "error@" + std::to_string(x) : std::to_string(x));
+  EXPECT_EQ(events, expected);
+  auto skipping = nodes::from_range(0, 20) | nodes::map(f, {.workers = 2, .on_error = conveyor::OnError::skip});
+  EXPECT_EQ(one_pass(skipping).size(), 17u);
+}
+
+TEST(ParallelMap, PassesLeftEarlyAThousandTimesLoseAndLeakNothing) {
+  conveyor::testing::LiveCounter live;
+  auto pipeline = nodes::from_range(0, 1000) |
+                  nodes::map([&live](int64_t x) { return conveyor::testing::Tracked(&live, x); }, {.workers = 4});
+  for (int round = 0; round < 1000; ++round) {
+    auto pass = pipeline.pass();
+    for (int k = 0; k < round % 5; ++k) ASSERT_EQ(pass.next()->value(), k);
+  }
+  EXPECT_EQ(one_pass(pipeline).size(), 1000u);
+  EXPECT_EQ(live.live.load(), 0);
+  EXPECT_THROW(nodes::from_range(0, 1) | nodes::map([](int64_t x) { return x; }, {.workers = 2000}),
+               conveyor::ValueError);
+}
+
+TEST(Prefetch, RunsUpstreamAheadOnItsOwnStrandAndKeepsErrorsInPlace) {
+  auto upstream = [] {
+    return nodes::from_range(0, 50) | nodes::map([](int64_t x) {
+             if (x == 17) throw std::runtime_error("seventeen");
+             return x;
+           });
+  };
+  auto pipeline = upstream() | nodes::prefetch(4) | nodes::batch(10);
+  auto pass = pipeline.pass();
+  std::vector<size_t> sizes;
+  int errors = 0;
+  while (true) {
+    try {
+      auto batch = pass.next();
+      if (!batch) break;
+      sizes.push_back(batch->size());
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_EQ(e.node(), "map");
+      EXPECT_EQ(e.position(), 17u);
+      ++errors;
+    }
+  }
+  EXPECT_EQ(errors, 1);
+  EXPECT_EQ(sizes, (std::vector<size_t>{10, 10, 10, 10, 9}));
+  // Again, and left early.
+  for (int round = 0; round < 200; ++round) {
+    auto again = pipeline.pass();
+    ASSERT_EQ(again.next()->size(), 10u);
+  }
+}
+
+// ---- property test ------------------------------------------------------------
+
+uint64_t property_seed() {
+  if (const char* text = std::getenv("CONVEYOR_NODES_SEED")) return std::strtoull(text, nullptr, 10);
+  return std::random_device{}();
+}
+
+// A pipeline drawn from `rng`: a range, then a few stages; each stage's
+// parallel form (workers from `parallel`, 0 for none) yields what its serial
+// form yields. Some stages fail on some items; some spin a random while.
+Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel) {
+  std::uniform_int_distribution<int> pick(0, 5);
+  const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
+  Pipeline<int64_t> p = nodes::from_range(0, n);
+  const int stages = std::uniform_int_distribution<int>(1, 5)(rng);
+  for (int s = 0; s < stages; ++s) {
+    const int kind = pick(rng);
+    const int64_t k = std::uniform_int_distribution<int64_t>(2, 9)(rng);
+    const int drawn_workers = std::uniform_int_distribution<int>(1, 4)(rng);  // drawn either way: same graph
+    const int workers = parallel ? drawn_workers : 0;
+    const uint64_t delay_seed = rng();
+    auto work = [k, delay_seed](int64_t x) {
+      // Random spin, seeded by the item: shakes out completion orders.
+      const uint64_t h = (static_cast<uint64_t>(x) * 0x9e3779b97f4a7c15ULL) ^ delay_seed;
+      conveyor::testing::spin_delay(h % 7 == 0 ? h % 20000 : 0);
+      if (x % 37 == static_cast<int64_t>(k)) throw std::runtime_error("fails on " + std::to_string(x));
+      return x * k % 1000003;
+    };
+    switch (kind) {
+      case 0:
+        p = std::move(p) | nodes::map(work, {.workers = workers, .on_error = conveyor::OnError::skip});
+        break;
+      case 1:
+        p = std::move(p) | nodes::filter([k](int64_t x) { return x % k != 0; });
+        break;
+      case 2:
+        p = std::move(p) | nodes::shuffle(static_cast<size_t>(k));
+        break;
+      case 3:
+        if (parallel) p = std::move(p) | nodes::prefetch(static_cast<int>(k));
+        break;
+      case 4:
+        p = std::move(p) | nodes::batch(static_cast<size_t>(k)) | nodes::map([](std::vector<int64_t>&& b) {
+              int64_t sum = 0;
+              for (int64_t x : b) sum += x;
+              return sum;
+            }, {.workers = workers});
+        break;
+      default:
+        p = std::move(p) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
+        break;
+    }
+  }
+  return p;
+}
+
+TEST(PipelineProperty, ParallelRunsYieldTheSerialRunItemForItem) {
+  const uint64_t seed = property_seed();
+  std::printf("nodes property seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  const int graphs = 40;
+#else
+  const int graphs = 100;
+#endif
+  for (int g = 0; g < graphs; ++g) {
+    const uint64_t graph_seed = rng();
+    auto serial = random_pipeline(std::mt19937_64(graph_seed), false);
+    auto parallel = random_pipeline(std::mt19937_64(graph_seed), true);
+    serial.seed(graph_seed);
+    parallel.seed(graph_seed);
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      ASSERT_EQ(one_pass(parallel), one_pass(serial)) << "graph " << g << " (seed " << graph_seed << "), epoch " << epoch;
+    }
+  }
+}
+
+}  // namespace

@@ -8,5 +8,6 @@
 #include "conveyor/nodes/map.h"
 #include "conveyor/nodes/parallel.h"
 #include "conveyor/nodes/repeat.h"
+#include "conveyor/nodes/shard.h"
 #include "conveyor/nodes/shuffle.h"
 #include "conveyor/nodes/sources.h"

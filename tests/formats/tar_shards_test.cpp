@@ -4,6 +4,8 @@
 #include <conveyor/datasets.h>
 #include <conveyor/generator.h>
 #include <conveyor/image.h>
+#include <conveyor/nodes.h>
+#include <conveyor/nodes/files.h>
 #include <conveyor/tar_shards.h>
 
 #include <stdlib.h>
@@ -1150,6 +1152,101 @@ TEST(DecodeClassSample, ImageBombInAShardIsSkippedAndCounted) {
                 return std::string("no DataError");
               }),
               testing::ExitedWithCode(0), "");
+}
+
+// ---- the same shards through pipeline nodes ---------------------------------
+
+namespace nodes = conveyor::nodes;
+
+conveyor::Pipeline<ShardSample> shard_pipeline(const std::string& directory) {
+  return nodes::list_files(directory, "*.tar") | nodes::shard() | nodes::read_files() | nodes::untar() |
+         nodes::group_by_key();
+}
+
+TEST(TarNodes, ListReadUntarGroupGivesWhatTheShardDatasetGives) {
+  TempDir dir;
+  const auto shards = write_samples(dir.file("part-"), 23, 5);
+  write_bytes(dir.file("notes.txt"), text("not a shard"));
+  auto listed = nodes::list_files(dir.file(""), "*.tar");
+  std::vector<std::string> paths;
+  for (auto& path : listed.pass()) paths.push_back(path);
+  EXPECT_EQ(paths, shards);  // sorted, the .txt left out
+
+  TarShardOptions options;
+  options.shards = shards;
+  TarShardDataset dataset(options);
+  auto iterator = dataset.iter(nullptr);
+  const std::vector<ShardSample> expected = drain(*iterator);
+  auto pipeline = shard_pipeline(dir.file(""));
+  std::vector<ShardSample> got;
+  for (auto& sample : pipeline.pass()) got.push_back(sample);
+  ASSERT_EQ(keys(got), keys(expected));
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].shard, expected[i].shard);
+    EXPECT_EQ(got[i].fields, expected[i].fields) << got[i].key;
+  }
+}
+
+TEST(TarNodes, RanksAndWorkersSplitTheShardsWithNothingReadTwice) {
+  TempDir dir;
+  write_samples(dir.file("part-"), 40, 4);  // 10 shards
+  std::multiset<std::string> all;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    for (int64_t worker = 0; worker < 3; ++worker) {
+      auto pipeline = shard_pipeline(dir.file(""));
+      pipeline.shard(conveyor::ShardSpec{rank, 2, worker, 3});
+      for (auto& sample : pipeline.pass()) all.insert(sample.key);
+    }
+  }
+  std::multiset<std::string> expected;
+  for (size_t i = 0; i < 40; ++i) expected.insert(key_of(i));
+  EXPECT_EQ(all, expected);
+}
+
+TEST(TarNodes, ACorruptArchiveIsADataErrorInItsPlaceOrSkippedAndCounted) {
+  TempDir dir;
+  const auto shards = write_samples(dir.file("a-"), 6, 3);  // a-000000.tar, a-000001.tar
+  std::vector<uint8_t> garbage(3000, 0x5a);
+  write_bytes(dir.file("a-000000x.tar"), garbage);  // sorts between the two
+  auto raising = nodes::list_files(dir.file(""), "*.tar") | nodes::read_files() | nodes::untar() |
+                 nodes::group_by_key();
+  auto pass = raising.pass();
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      auto sample = pass.next();
+      if (!sample) break;
+      events.push_back(sample->key);
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("a-000000x.tar"), std::string::npos) << e.what();
+      events.push_back("error");
+    }
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{"000000", "000001", "000002", "error", "000003", "000004", "000005"}));
+  auto skipping = nodes::list_files(dir.file(""), "*.tar") | nodes::read_files() |
+                  nodes::untar({.on_error = OnError::skip}) | nodes::group_by_key();
+  size_t samples = 0;
+  for (auto& sample : skipping.pass()) samples += sample.fields.size() == 2 ? 1 : 0;
+  EXPECT_EQ(samples, 6u);
+}
+
+TEST(TarNodes, AMemberOverTheLimitIsRefusedFromItsHeader) {
+  TempDir dir;
+  TarShardWriter writer(dir.file("big-"), 10);
+  writer.write("000000", {{"bin", std::vector<uint8_t>(5000, 1)}});
+  writer.close();
+  auto pipeline = nodes::list_files(dir.file(""), "*.tar") | nodes::read_files() |
+                  nodes::untar({.max_member_bytes = 4096});
+  auto pass = pipeline.pass();
+  try {
+    pass.next();
+    ADD_FAILURE() << "no error";
+  } catch (const DataError& e) {
+    EXPECT_EQ(e.member(), "000000.bin");
+    EXPECT_NE(std::string(e.what()).find("declares 5000 bytes"), std::string::npos) << e.what();
+  }
+  auto missing = nodes::list_files(dir.file("missing"), "*");  // built: nothing is listed yet
+  EXPECT_THROW(missing.pass(), DataError);
 }
 
 }  // namespace

@@ -1,0 +1,75 @@
+// conveyor/nodes/files.h: files, tar archives and images as pipeline nodes
+// (target conveyor::formats). WebDataset's tar-shard reading, built from
+// small nodes:
+//
+//   list_files(root, "*.tar") | shard() | read_files() | untar() | group_by_key()
+//       | map(decode, {.workers = 8}) | shuffle(1000) | batch(64) | collate()
+//
+//   list_files(root, glob, {.recursive})   paths under root matching glob
+//                                          (fnmatch on the name), sorted; lists
+//                                          at the first pass, not before
+//   read_files()                           path -> FileBytes (regular files only)
+//   untar()                                FileBytes of a tar -> its regular
+//                                          members, streamed, in archive order
+//   group_by_key()                         consecutive members of one key (the
+//                                          name up to its first '.' after the
+//                                          last '/') -> ShardSample
+//   decode_image(channels)                 encoded bytes -> Array<uint8_t> [C, H, W]
+//
+// Malformed input is a DataError naming the file and member, raised at the
+// item's place (the pass goes on) or, with OnError::skip where a node takes
+// it, dropped and counted. Memory: one file (read_files), one member
+// (untar) and one sample (group_by_key) at a time, each bounded by its
+// node's limit whatever a header claims.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "conveyor/array.h"
+#include "conveyor/data_error.h"
+#include "conveyor/node.h"
+#include "conveyor/tar_shards.h"
+
+namespace conveyor::nodes {
+
+struct FileBytes {
+  std::string path;
+  std::vector<uint8_t> bytes;
+};
+
+struct TarMember {
+  std::string archive;  // the tar's path
+  std::string name;     // the member's name inside it
+  std::vector<uint8_t> bytes;
+};
+
+struct ListFilesOptions {
+  bool recursive = false;
+};
+Pipeline<std::string> list_files(std::string root, std::string glob = "*", ListFilesOptions options = {});
+
+struct ReadFilesOptions {
+  uint64_t max_bytes = uint64_t{1} << 32;  // a larger file is a DataError
+};
+// Pipeline<std::string> -> Pipeline<FileBytes>.
+std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFilesOptions options = {});
+
+struct UntarOptions {
+  uint64_t max_member_bytes = kDefaultMaxSampleBytes;
+  OnError on_error = OnError::raise;  // skip: a corrupt archive ends there, counted once
+};
+// Pipeline<FileBytes> -> Pipeline<TarMember>.
+std::function<Pipeline<TarMember>(Pipeline<FileBytes>&&)> untar(UntarOptions options = {});
+
+// Pipeline<TarMember> -> Pipeline<ShardSample>.
+std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key();
+
+// Pipeline<std::vector<uint8_t>> -> Pipeline<Array<uint8_t>>; `channels` as
+// decode_image's (0 keeps the stored count).
+std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(int channels = 0);
+
+}  // namespace conveyor::nodes

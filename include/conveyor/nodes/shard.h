@@ -1,0 +1,53 @@
+// conveyor/nodes/shard.h: shard(), an explicit place for the pass's shard:
+// of its input it keeps item k when k % count == index. Where no node
+// upstream of it is shardable (a file lister runs whole on every rank), it
+// takes the shard; otherwise it passes everything.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "conveyor/nodes/stage.h"
+
+namespace conveyor::nodes {
+
+template <class T>
+class Shard final : public Node<T> {
+ public:
+  using item_type = T;
+  explicit Shard(NodePtr<T> upstream) : upstream_(std::move(upstream)) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    upstream_->reset(pass, walk);
+    walk.next_id++;
+    index_ = 0;
+    count_ = 1;
+    if (!walk.sharded) {
+      walk.sharded = true;
+      index_ = static_cast<uint64_t>(pass.shard.index());
+      count_ = static_cast<uint64_t>(pass.shard.count());
+    }
+    position_ = 0;
+  }
+  std::optional<T> next() override {
+    while (std::optional<T> item = upstream_->next()) {
+      if (position_++ % count_ == index_) return item;
+    }
+    return std::nullopt;
+  }
+  std::string name() const override { return "shard"; }
+
+ private:
+  NodePtr<T> upstream_;
+  uint64_t index_ = 0, count_ = 1, position_ = 0;
+};
+
+inline auto shard() {
+  return []<class T>(Pipeline<T>&& upstream) {
+    return Pipeline<T>(std::make_unique<Shard<T>>(std::move(upstream).release()));
+  };
+}
+
+}  // namespace conveyor::nodes

@@ -31,7 +31,7 @@ struct Sample {
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
                "pipeline_tar: %s\nusage: pipeline_tar --shards DIR [--epochs N] [--workers N] [--seed S] "
-               "[--rank R --world W]\n",
+               "[--rank R --world W] [--metrics]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -43,8 +43,13 @@ int main(int argc, char** argv) {
   int epochs = 1, workers = 2;
   uint64_t seed = 0;
   conveyor::ShardSpec spec;
+  bool metrics = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--metrics") {
+      metrics = true;
+      continue;
+    }
     if (i + 1 >= argc) usage(flag + " needs a value");
     const char* value = argv[++i];
     if (flag == "--shards") {
@@ -75,7 +80,7 @@ int main(int argc, char** argv) {
     auto pipeline = nodes::list_files(shards, "*.tar") | nodes::shard() | nodes::read_files() | nodes::untar() |
                     nodes::group_by_key() | nodes::map(decode, {.workers = workers}) | nodes::shuffle(1000) |
                     nodes::batch(64) | nodes::collate() | nodes::prefetch(2);
-    pipeline.seed(seed).shard(spec);
+    pipeline.seed(seed).shard(spec).timed(metrics);
     for (int epoch = 0; epoch < epochs; ++epoch) {
       size_t batches = 0, samples = 0;
       std::array<size_t, 10> histogram{};
@@ -91,6 +96,8 @@ int main(int argc, char** argv) {
       std::printf("epoch %d: %zu batches, %zu samples; labels", epoch, batches, samples);
       for (size_t count : histogram) std::printf(" %zu", count);
       std::printf("; first batch starts %s\n", first.c_str());
+      // On stderr: timings differ run to run, the items do not.
+      if (metrics) std::fprintf(stderr, "%s", conveyor::metrics_table(pipeline.metrics()).c_str());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pipeline_tar: %s\n", e.what());

@@ -39,6 +39,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "conveyor/errors.h"
 
@@ -72,7 +73,27 @@ struct PassContext {
   uint64_t epoch = 0;
   uint64_t seed = 0;  // the pipeline's base seed
   ShardSpec shard;
+  bool timed = false;  // nodes time themselves for metrics (two clock reads per item each)
 };
+
+// What a node did in its current (or last) pass: Pipeline::metrics().
+struct NodeMetrics {
+  std::string name;
+  uint64_t id = 0;
+  uint64_t items_in = 0;   // taken from upstream
+  uint64_t items_out = 0;  // handed downstream
+  uint64_t skipped = 0;    // dropped under OnError::skip
+  // With timed passes: time in the node itself (a parallel node's workers
+  // summed), and time it waited for its upstream.
+  double busy_seconds = 0;
+  double upstream_wait_seconds = 0;
+  // Parallel nodes: the window, and how full it was when the consumer asked.
+  size_t window = 0;
+  double mean_in_flight = 0;
+};
+
+// The metrics as an aligned text table, one node per line, sources first.
+std::string metrics_table(const std::vector<NodeMetrics>& nodes);
 
 namespace detail {
 // Filled in while a reset walks the graph from the sink up: ids are handed
@@ -137,6 +158,9 @@ class Node {
 
   // For errors and metrics: "map", "batch(64)", "untar".
   virtual std::string name() const = 0;
+
+  // Appends this node's metrics after its upstream's (sources first).
+  virtual void collect_metrics(std::vector<NodeMetrics>& out) const { out.push_back({name()}); }
 };
 
 template <class T>
@@ -166,11 +190,23 @@ class Pipeline {
     return *this;
   }
   void set_epoch(uint64_t epoch) noexcept { epoch_ = epoch; }
+  // Passes time every node (busy and waiting); off by default.
+  Pipeline& timed(bool on = true) noexcept {
+    timed_ = on;
+    return *this;
+  }
+
+  // Every node's metrics for the current (or last) pass, sources first.
+  std::vector<NodeMetrics> metrics() const {
+    std::vector<NodeMetrics> out;
+    node_->collect_metrics(out);
+    return out;
+  }
 
   // One pass, as a range: for (auto& item : pipeline.pass()) ...
   class Pass;
   Pass pass() {
-    const PassContext context{epoch_++, seed_, shard_};
+    const PassContext context{epoch_++, seed_, shard_, timed_};
     node_->reset(context);
     return Pass(*node_);
   }
@@ -180,6 +216,7 @@ class Pipeline {
   uint64_t seed_ = 0;
   uint64_t epoch_ = 0;
   ShardSpec shard_;
+  bool timed_ = false;
 };
 
 template <class T>

@@ -1,6 +1,9 @@
 #include "conveyor/node.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <string>
+#include <vector>
 
 #include "conveyor/detail/engine.h"
 
@@ -25,6 +28,29 @@ uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position)
   // The work-stealing batch seed's mix, with the node folded into the base.
   return detail::work_stealing_seed(static_cast<int64_t>(pass.seed ^ (node_id * 0x9e3779b97f4a7c15ULL)),
                                     pass.epoch, position);
+}
+
+std::string metrics_table(const std::vector<NodeMetrics>& nodes) {
+  size_t name_width = 4;
+  for (const NodeMetrics& node : nodes) name_width = std::max(name_width, node.name.size());
+  const int width = static_cast<int>(name_width);
+  std::string table;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-*s %12s %12s %9s %10s %10s %7s %9s\n", width, "node", "items in", "items out",
+                "skipped", "busy s", "waited s", "window", "in flight");
+  table += line;
+  for (const NodeMetrics& node : nodes) {
+    std::snprintf(line, sizeof line, "%-*s %12llu %12llu %9llu %10.3f %10.3f", width, node.name.c_str(),
+                  static_cast<unsigned long long>(node.items_in), static_cast<unsigned long long>(node.items_out),
+                  static_cast<unsigned long long>(node.skipped), node.busy_seconds, node.upstream_wait_seconds);
+    table += line;
+    if (node.window > 0) {
+      std::snprintf(line, sizeof line, " %7zu %9.2f", node.window, node.mean_in_flight);
+      table += line;
+    }
+    table += '\n';
+  }
+  return table;
 }
 
 namespace detail {

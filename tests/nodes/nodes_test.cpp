@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "support/datasets.h"
+#include "support/sync.h"
 
 namespace {
 
@@ -269,6 +270,61 @@ TEST(Errors, AFailedItemNamesItsNodeAndPositionAndThePassGoesOn) {
                                                 },
                                                 conveyor::OnError::skip);
   EXPECT_EQ(one_pass(skipping), (std::vector<int64_t>{1, 3, 5}));
+}
+
+TEST(Metrics, EveryNodeCountsItsItemsInAndOutSourcesFirst) {
+  auto pipeline = nodes::from_range(0, 100) |
+                  nodes::map(
+                      [](int64_t x) {
+                        if (x % 25 == 7) throw std::runtime_error("bad");
+                        return x;
+                      },
+                      conveyor::OnError::skip) |
+                  nodes::filter([](int64_t x) { return x % 2 == 0; }) | nodes::batch(10);
+  EXPECT_EQ(one_pass(pipeline).size(), 5u);
+  const auto metrics = pipeline.metrics();
+  std::vector<std::string> names;
+  for (const auto& m : metrics) names.push_back(m.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"from_range", "map", "filter", "batch(10)"}));
+  EXPECT_EQ(metrics[0].items_out, 100u);
+  EXPECT_EQ(metrics[1].items_in, 100u);
+  EXPECT_EQ(metrics[1].skipped, 4u);  // 7, 32, 57, 82
+  EXPECT_EQ(metrics[1].items_out, 96u);
+  EXPECT_EQ(metrics[2].items_in, 96u);
+  EXPECT_EQ(metrics[2].items_out, 48u);  // the odd 7, 57 were dropped already
+  EXPECT_EQ(metrics[3].items_in, 48u);
+  EXPECT_EQ(metrics[3].items_out, 5u);
+  for (const auto& m : metrics) EXPECT_EQ(m.busy_seconds, 0.0) << m.name << ": an untimed pass reads no clock";
+  // Each pass counts afresh; ids follow the graph.
+  EXPECT_EQ(one_pass(pipeline).size(), 5u);
+  EXPECT_EQ(pipeline.metrics()[0].items_out, 100u);
+  for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].id, i);
+
+  const std::string table = conveyor::metrics_table(metrics);
+  EXPECT_NE(table.find("items in"), std::string::npos) << table;
+  EXPECT_NE(table.find("batch(10)"), std::string::npos) << table;
+  EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 5) << table;
+}
+
+TEST(Metrics, ATimedPassPutsTheTimeInTheNodeThatSpentIt) {
+  constexpr int64_t kItems = 20;
+  constexpr uint64_t kSpinNs = 2'000'000;
+  auto pipeline = nodes::from_range(0, kItems) | nodes::map([](int64_t x) {
+                    conveyor::testing::spin_delay(kSpinNs);
+                    return x;
+                  }) |
+                  nodes::map([](int64_t x) { return x + 1; });
+  pipeline.timed();
+  EXPECT_EQ(one_pass(pipeline).size(), static_cast<size_t>(kItems));
+  const auto metrics = pipeline.metrics();
+  ASSERT_EQ(metrics.size(), 3u);
+  const double spun = static_cast<double>(kItems * kSpinNs) * 1e-9;
+  // The slow map spent at least the spins; the one after it waited for them
+  // and did almost nothing itself.
+  EXPECT_GE(metrics[1].busy_seconds, spun);
+  EXPECT_GE(metrics[2].upstream_wait_seconds, spun);
+  EXPECT_LT(metrics[2].busy_seconds, metrics[1].busy_seconds);
+  EXPECT_GE(metrics[1].upstream_wait_seconds, 0.0);
 }
 
 }  // namespace

@@ -89,6 +89,40 @@ TEST(ParallelMap, PassesLeftEarlyAThousandTimesLoseAndLeakNothing) {
                conveyor::ValueError);
 }
 
+TEST(ParallelMap, MetricsSumTheWorkersTimeAndShowTheWindow) {
+  constexpr int64_t kItems = 64;
+  constexpr uint64_t kSpinNs = 1'000'000;
+  auto pipeline = nodes::from_range(0, kItems) |
+                  nodes::map(
+                      [](int64_t x) {
+                        if (x % 16 == 5) throw std::runtime_error("bad");
+                        conveyor::testing::spin_delay(kSpinNs);
+                        return x;
+                      },
+                      {.workers = 4, .on_error = conveyor::OnError::skip}) |
+                  nodes::prefetch(3);
+  pipeline.timed();
+  EXPECT_EQ(one_pass(pipeline).size(), static_cast<size_t>(kItems - 4));
+  const auto metrics = pipeline.metrics();
+  ASSERT_EQ(metrics.size(), 3u);
+  const auto& map = metrics[1];
+  EXPECT_EQ(map.name, "map(workers=4)");
+  EXPECT_EQ(map.items_in, static_cast<uint64_t>(kItems));
+  EXPECT_EQ(map.items_out, static_cast<uint64_t>(kItems - 4));
+  EXPECT_EQ(map.skipped, 4u);
+  EXPECT_EQ(map.window, 8u);
+  // Busy is the workers' time summed: at least every spin, whichever thread ran it.
+  EXPECT_GE(map.busy_seconds, static_cast<double>((kItems - 4) * kSpinNs) * 1e-9);
+  EXPECT_GT(map.mean_in_flight, 0.0);
+  EXPECT_LE(map.mean_in_flight, 8.0);
+  const auto& prefetch = metrics[2];
+  EXPECT_EQ(prefetch.name, "prefetch(3)");
+  EXPECT_EQ(prefetch.items_out, static_cast<uint64_t>(kItems - 4));
+  EXPECT_EQ(prefetch.window, 3u);
+  EXPECT_LE(prefetch.mean_in_flight, 3.0);
+  EXPECT_GT(prefetch.upstream_wait_seconds, 0.0);  // the strand waited on the map
+}
+
 TEST(Prefetch, RunsUpstreamAheadOnItsOwnStrandAndKeepsErrorsInPlace) {
   auto upstream = [] {
     return nodes::from_range(0, 50) | nodes::map([](int64_t x) {

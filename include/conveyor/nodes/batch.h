@@ -32,7 +32,7 @@ class Batch final : public Stage<T, std::vector<T>> {
       : Stage<T, std::vector<T>>(std::move(upstream)), size_(size), drop_last_(drop_last) {
     if (size_ == 0) throw ValueError("batch: size should be a positive integer value, but got 0");
   }
-  std::optional<std::vector<T>> next() override {
+  std::optional<std::vector<T>> produce() override {
     while (items_.size() < size_) {
       std::optional<T> item = this->pull();  // an upstream error leaves items_ as it is
       if (!item) break;
@@ -70,7 +70,7 @@ class Collate final : public Stage<Items, std::remove_cvref_t<std::invoke_result
   using Out = std::remove_cvref_t<std::invoke_result_t<const Fn&, Items&&>>;
   using item_type = Out;
   Collate(NodePtr<Items> upstream, Fn fn) : Stage<Items, Out>(std::move(upstream)), fn_(std::move(fn)) {}
-  std::optional<Out> next() override {
+  std::optional<Out> produce() override {
     std::optional<Items> items = this->pull();
     if (!items) return std::nullopt;
     try {

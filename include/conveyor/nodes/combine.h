@@ -23,11 +23,12 @@
 
 #include "conveyor/generator.h"
 #include "conveyor/node.h"
+#include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
 
 template <class A, class B>
-class Zip final : public Node<std::pair<A, B>> {
+class Zip final : public MeteredNode<std::pair<A, B>> {
  public:
   using item_type = std::pair<A, B>;
   Zip(NodePtr<A> a, NodePtr<B> b) : a_(std::move(a)), b_(std::move(b)) {}
@@ -35,23 +36,29 @@ class Zip final : public Node<std::pair<A, B>> {
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     a_->reset(pass, walk);
     b_->reset(pass, walk);
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
     pending_a_.reset();
   }
-  std::optional<item_type> next() override {
+  std::string name() const override { return "zip"; }
+
+ private:
+  std::optional<item_type> produce() override {
     if (!pending_a_) {
-      pending_a_ = a_->next();
+      pending_a_ = this->meter_.wait([this] { return a_->next(); });
       if (!pending_a_) return std::nullopt;
     }
-    std::optional<B> b = b_->next();  // an error here keeps a's item for the next call
+    // An error here keeps a's item for the next call.
+    std::optional<B> b = this->meter_.wait([this] { return b_->next(); });
     if (!b) return std::nullopt;
     item_type out{std::move(*pending_a_), std::move(*b)};
     pending_a_.reset();
     return out;
   }
-  std::string name() const override { return "zip"; }
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
+    a_->collect_metrics(out);
+    b_->collect_metrics(out);
+  }
 
- private:
   NodePtr<A> a_;
   NodePtr<B> b_;
   std::optional<A> pending_a_;
@@ -66,13 +73,13 @@ Pipeline<std::pair<A, B>> zip(Pipeline<A>&& a, Pipeline<B>&& b) {
 // What mux, weighted_mux and join share: sources, which are still going,
 // and resetting them in order.
 template <class T>
-class Merge : public Node<T> {
+class Merge : public MeteredNode<T> {
  public:
   using item_type = T;
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     for (auto& source : sources_) source->reset(pass, walk);
-    id_ = walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
     pass_ = pass;
     active_.assign(sources_.size(), true);
     active_count_ = sources_.size();
@@ -85,6 +92,12 @@ class Merge : public Node<T> {
     if (sources.empty()) throw ValueError("a merge of pipelines needs at least one");
     for (auto& source : sources) sources_.push_back(std::move(source).release());
   }
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
+    for (const auto& source : sources_) source->collect_metrics(out);
+  }
+  std::optional<T> pull(size_t i) {
+    return this->meter_.wait([&] { return sources_[i]->next(); });
+  }
   void retire(size_t i) {
     if (active_[i]) {
       active_[i] = false;
@@ -96,7 +109,6 @@ class Merge : public Node<T> {
   std::vector<bool> active_;
   size_t active_count_ = 0;
   size_t cursor_ = 0;
-  uint64_t id_ = 0;
   uint64_t produced_ = 0;
   PassContext pass_;
 };
@@ -105,17 +117,19 @@ template <class T>
 class Mux final : public Merge<T> {
  public:
   explicit Mux(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources)) {}
-  std::optional<T> next() override {
+  std::string name() const override { return "mux"; }
+
+ private:
+  std::optional<T> produce() override {
     while (this->active_count_ > 0) {
       const size_t i = this->cursor_;
       this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
       if (!this->active_[i]) continue;
-      if (std::optional<T> item = this->sources_[i]->next()) return item;
+      if (std::optional<T> item = this->pull(i)) return item;
       this->retire(i);
     }
     return std::nullopt;
   }
-  std::string name() const override { return "mux"; }
 };
 
 template <class T>
@@ -138,7 +152,10 @@ class WeightedMux final : public Merge<T> {
       }
     }
   }
-  std::optional<T> next() override {
+  std::string name() const override { return "weighted_mux"; }
+
+ private:
+  std::optional<T> produce() override {
     while (this->active_count_ > 0) {
       // Each pick draws from the item's own seed: the sequence of picks is
       // the same for the same pass.
@@ -153,14 +170,12 @@ class WeightedMux final : public Merge<T> {
         if (u < weights_[i]) break;
         u -= weights_[i];
       }
-      if (std::optional<T> item = this->sources_[pick]->next()) return item;
+      if (std::optional<T> item = this->pull(pick)) return item;
       this->retire(pick);
     }
     return std::nullopt;
   }
-  std::string name() const override { return "weighted_mux"; }
 
- private:
   std::vector<double> weights_;
 };
 
@@ -173,20 +188,24 @@ template <class T>
 class Join final : public Merge<T> {
  public:
   explicit Join(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources)) {}
-  std::optional<T> next() override {
+  Poll try_next(std::optional<T>& out) override { return this->counted(poll(out)); }
+  std::string name() const override { return "join"; }
+
+ private:
+  std::optional<T> produce() override {
     std::optional<T> out;
     while (this->active_count_ > 0) {
-      const Poll poll = try_next(out);
-      if (poll == Poll::ready) return out;
-      if (poll == Poll::end) return std::nullopt;
+      const Poll polled = poll(out);
+      if (polled == Poll::ready) return out;
+      if (polled == Poll::end) return std::nullopt;
       // Nothing ready anywhere: wait on the next source in the rotation.
       const size_t i = next_active();
-      if (std::optional<T> item = this->sources_[i]->next()) return item;
+      if (std::optional<T> item = this->pull(i)) return item;
       this->retire(i);
     }
     return std::nullopt;
   }
-  Poll try_next(std::optional<T>& out) override {
+  Poll poll(std::optional<T>& out) {
     for (size_t tried = 0; tried < this->sources_.size() && this->active_count_ > 0; ++tried) {
       const size_t i = next_active();
       const Poll poll = this->sources_[i]->try_next(out);
@@ -195,9 +214,6 @@ class Join final : public Merge<T> {
     }
     return this->active_count_ > 0 ? Poll::pending : Poll::end;
   }
-  std::string name() const override { return "join"; }
-
- private:
   size_t next_active() {
     while (!this->active_[this->cursor_]) this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
     const size_t i = this->cursor_;
@@ -237,6 +253,11 @@ class ForkState {
       walk.sharded = walk.sharded || sharded_;
     }
     passes_[consumer] = pass_;
+  }
+
+  // Upstream's metrics appear once, under the first consumer.
+  void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
+    if (consumer == 0) upstream_->collect_metrics(out);
   }
 
   std::optional<T> next(size_t consumer) {
@@ -279,19 +300,23 @@ class ForkState {
 };
 
 template <class T>
-class ForkOutput final : public Node<T> {
+class ForkOutput final : public MeteredNode<T> {
  public:
   using item_type = T;
   ForkOutput(std::shared_ptr<ForkState<T>> state, size_t consumer) : state_(std::move(state)), consumer_(consumer) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     state_->reset(consumer_, pass, walk);
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
   }
-  std::optional<T> next() override { return state_->next(consumer_); }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
 
  private:
+  std::optional<T> produce() override { return state_->next(consumer_); }
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
+    state_->collect_upstream_metrics(consumer_, out);
+  }
+
   std::shared_ptr<ForkState<T>> state_;
   size_t consumer_;
 };

@@ -32,7 +32,7 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
   Map(NodePtr<In> upstream, F f, OnError on_error)
       : Stage<In, Out>(std::move(upstream)), f_(std::move(f)), on_error_(on_error) {}
 
-  std::optional<Out> next() override {
+  std::optional<Out> produce() override {
     while (std::optional<In> item = this->pull()) {
       // Draws inside f come from the item's own generator, seeded from its
       // position: the same however the pipeline runs.
@@ -41,18 +41,16 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
         return f_(std::move(*item));
       } catch (...) {
         if (on_error_ == OnError::raise) conveyor::detail::throw_node_error(name(), this->position());
-        ++skipped_;
+        ++this->meter_.skipped;
       }
     }
     return std::nullopt;
   }
   std::string name() const override { return "map"; }
-  uint64_t skipped() const noexcept { return skipped_; }
 
  private:
   F f_;
   OnError on_error_;
-  uint64_t skipped_ = 0;
 };
 
 template <class F>
@@ -68,7 +66,7 @@ class Filter final : public Stage<T, T> {
  public:
   using item_type = T;
   Filter(NodePtr<T> upstream, P predicate) : Stage<T, T>(std::move(upstream)), predicate_(std::move(predicate)) {}
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     while (std::optional<T> item = this->pull()) {
       bool keep = false;
       try {
@@ -103,7 +101,7 @@ class FlatMap final
   using item_type = Out;
   FlatMap(NodePtr<In> upstream, F f) : Stage<In, Out>(std::move(upstream)), f_(std::move(f)) {}
 
-  std::optional<Out> next() override {
+  std::optional<Out> produce() override {
     while (true) {
       if (current_ && it_ != std::ranges::end(*current_)) {
         Out out = std::move(*it_);

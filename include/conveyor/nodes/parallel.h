@@ -16,6 +16,7 @@
 // its place: next() throws it where the item would have been.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -53,7 +54,26 @@ struct Result {
   std::exception_ptr error;
   uint64_t position = 0;  // the input item's
   bool end = false;       // prefetch: upstream had no more
+  int64_t busy_ns = 0;    // timed passes: the worker's time on it
 };
+
+// How full a window was each time its consumer took an item.
+struct Occupancy {
+  uint64_t takes = 0;
+  uint64_t in_flight_sum = 0;
+  void add(size_t in_flight) noexcept {
+    ++takes;
+    in_flight_sum += in_flight;
+  }
+  double mean() const noexcept { return takes ? static_cast<double>(in_flight_sum) / static_cast<double>(takes) : 0; }
+};
+
+template <class F>
+int64_t timed_ns(F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
 
 inline conveyor::detail::EngineConfig engine_config(int workers, int window, bool in_order, bool strand) {
   conveyor::detail::EngineConfig config;
@@ -89,7 +109,7 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   }
   ~ParallelMap() override { engine_.reset(); }  // stops before the slots go
 
-  std::optional<Out> next() override {
+  std::optional<Out> produce() override {
     std::optional<Out> out;
     while (true) {
       fill();
@@ -97,17 +117,8 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
       if (take(engine().wait_ready(), out)) return out;
     }
   }
-  Poll try_next(std::optional<Out>& out) override {
-    while (true) {
-      fill();
-      if (engine().stats().in_flight == 0) return Poll::end;
-      conveyor::detail::ReadyBatch ready;
-      if (!engine().try_ready(ready)) return Poll::pending;
-      if (take(ready, out)) return Poll::ready;
-    }
-  }
+  Poll try_next(std::optional<Out>& out) override { return this->counted(poll(out)); }
   std::string name() const override { return "map(workers=" + std::to_string(options_.workers) + ")"; }
-  uint64_t skipped() const noexcept { return skipped_; }
 
  protected:
   // In-flight items read pass_ and id_ (their seeds): cancelled before the
@@ -118,9 +129,27 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   void start_pass() override {
     upstream_done_ = false;
     upstream_error_ = nullptr;
+    occupancy_ = {};
+    worker_busy_ns_ = 0;
+  }
+  // busy: the workers' time in f, summed; the window's mean occupancy.
+  void add_own_metrics(NodeMetrics& metrics) const override {
+    metrics.busy_seconds = static_cast<double>(worker_busy_ns_) * 1e-9;
+    metrics.window = static_cast<size_t>(options_.window);
+    metrics.mean_in_flight = occupancy_.mean();
   }
 
  private:
+  Poll poll(std::optional<Out>& out) {
+    while (true) {
+      fill();
+      if (engine().stats().in_flight == 0) return Poll::end;
+      conveyor::detail::ReadyBatch ready;
+      if (!engine().try_ready(ready)) return Poll::pending;
+      if (take(ready, out)) return Poll::ready;
+    }
+  }
+
   conveyor::detail::Engine& engine() {
     if (!engine_) {  // lazily: nothing starts before the first pass asks
       engine_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
@@ -158,12 +187,14 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   }
 
   bool take(const conveyor::detail::ReadyBatch& ready, std::optional<Out>& out) {
+    occupancy_.add(engine().stats().in_flight);
     detail::Result<Out> result = std::move(results_[ready.slot]);
     results_[ready.slot] = {};
     engine().release(ready);
+    worker_busy_ns_ += result.busy_ns;
     if (result.error) {
       if (options_.on_error == OnError::skip) {
-        ++skipped_;
+        ++this->meter_.skipped;
         return false;
       }
       try {
@@ -182,10 +213,17 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     detail::Result<Out>& out = results_[job.slot];
     out.position = positions_[job.slot];
     conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, out.position));
-    try {
-      out.value.emplace(std::as_const(f_)(std::move(*inputs_[job.slot])));  // f runs on many threads
-    } catch (...) {
-      out.error = std::current_exception();
+    auto apply = [&] {
+      try {
+        out.value.emplace(std::as_const(f_)(std::move(*inputs_[job.slot])));  // f runs on many threads
+      } catch (...) {
+        out.error = std::current_exception();
+      }
+    };
+    if (this->pass_.timed) {
+      out.busy_ns = detail::timed_ns(apply);
+    } else {
+      apply();
     }
     inputs_[job.slot].reset();
   }
@@ -204,7 +242,8 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   std::vector<detail::Result<Out>> results_;
   bool upstream_done_ = false;
   std::exception_ptr upstream_error_;
-  uint64_t skipped_ = 0;
+  detail::Occupancy occupancy_;
+  int64_t worker_busy_ns_ = 0;  // timed passes: summed from the results taken
   std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
 };
 
@@ -226,8 +265,12 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
     if (engine_) engine_->cancel();
     // No id of its own: adding or removing a prefetch changes no seed.
     upstream_->reset(pass, walk);
+    timed_ = pass.timed;
     ended_ = false;
     done_ = false;
+    out_ = 0;
+    occupancy_ = {};
+    strand_wait_ns_ = 0;
   }
   std::optional<T> next() override {
     std::optional<T> out;
@@ -248,6 +291,19 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   }
   std::string name() const override { return "prefetch(" + std::to_string(depth_) + ")"; }
 
+  // Upstream runs on the strand: its metrics are read once the pass has
+  // ended (or between passes), when the strand no longer advances it.
+  void collect_metrics(std::vector<NodeMetrics>& metrics) const override {
+    upstream_->collect_metrics(metrics);
+    NodeMetrics mine;
+    mine.name = name();
+    mine.items_in = mine.items_out = out_;
+    mine.upstream_wait_seconds = static_cast<double>(strand_wait_ns_) * 1e-9;
+    mine.window = static_cast<size_t>(depth_);
+    mine.mean_in_flight = occupancy_.mean();
+    metrics.push_back(std::move(mine));
+  }
+
  private:
   conveyor::detail::Engine& engine() {
     if (!engine_) {
@@ -262,15 +318,18 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   }
   // True with an item in `out`; false at the end (done_).
   bool take(const conveyor::detail::ReadyBatch& ready, std::optional<T>& out) {
+    occupancy_.add(engine().stats().in_flight);
     detail::Result<T> result = std::move(results_[ready.slot]);
     results_[ready.slot] = {};
     engine().release(ready);
+    strand_wait_ns_ += result.busy_ns;
     if (result.error) std::rethrow_exception(result.error);  // upstream's, already named
     if (result.end) {
       done_ = true;
       return false;
     }
     out = std::move(result.value);
+    ++out_;
     return true;
   }
 
@@ -282,11 +341,18 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
       out.end = true;
       return;
     }
-    try {
-      out.value = upstream_->next();
-      if (!out.value) ended_ = out.end = true;
-    } catch (...) {
-      out.error = std::current_exception();
+    auto advance = [&] {
+      try {
+        out.value = upstream_->next();
+        if (!out.value) ended_ = out.end = true;
+      } catch (...) {
+        out.error = std::current_exception();
+      }
+    };
+    if (timed_) {
+      out.busy_ns = detail::timed_ns(advance);
+    } else {
+      advance();
     }
   }
   void clear(uint32_t slot) noexcept override { results_[slot] = {}; }
@@ -296,6 +362,10 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   std::vector<detail::Result<T>> results_;  // by slot (the engine's contract)
   bool ended_ = false;  // the strand's: upstream said it has no more
   bool done_ = false;   // the consumer's: the end was handed out
+  bool timed_ = false;  // set by reset, before the strand runs a job of the pass
+  uint64_t out_ = 0;
+  detail::Occupancy occupancy_;
+  int64_t strand_wait_ns_ = 0;  // timed passes: the strand's time in upstream
   std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
 };
 

@@ -25,7 +25,7 @@ class Take final : public Stage<T, T> {
  public:
   using item_type = T;
   Take(NodePtr<T> upstream, uint64_t count) : Stage<T, T>(std::move(upstream)), count_(count) {}
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     if (this->position_ >= count_) return std::nullopt;
     return this->pull();
   }
@@ -42,7 +42,7 @@ inline auto take(uint64_t count) {
 }
 
 template <class T>
-class Repeat final : public Node<T> {
+class Repeat final : public MeteredNode<T> {
  public:
   using item_type = T;
   Repeat(NodePtr<T> upstream, uint64_t times) : upstream_(std::move(upstream)), times_(times) {}
@@ -52,11 +52,11 @@ class Repeat final : public Node<T> {
     pass_ = pass;
     round_ = 0;
     upstream_->reset(round_pass(0), walk);
-    id_ = walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     while (round_ < times_) {
-      std::optional<T> item = upstream_->next();
+      std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
       if (item) {
         empty_round_ = false;
         return item;
@@ -79,9 +79,11 @@ class Repeat final : public Node<T> {
  private:
   // Round r of pass p runs upstream as its own pass: epoch r, a seed drawn
   // from p's.
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
+
   PassContext round_pass(uint64_t round) const {
     PassContext sub = pass_;
-    sub.seed = item_seed(pass_, id_, 0);
+    sub.seed = item_seed(pass_, this->id_, 0);
     sub.epoch = round;
     return sub;
   }
@@ -90,7 +92,6 @@ class Repeat final : public Node<T> {
   uint64_t times_;
   PassContext pass_;
   conveyor::detail::ResetWalk walk_at_start_;
-  uint64_t id_ = 0;
   uint64_t round_ = 0;
   bool empty_round_ = true;
 };
@@ -102,7 +103,7 @@ inline auto repeat(uint64_t times = Repeat<int>::kForever) {
 }
 
 template <class T>
-class Cache final : public Node<T> {
+class Cache final : public MeteredNode<T> {
  public:
   using item_type = T;
   explicit Cache(NodePtr<T> upstream) : upstream_(std::move(upstream)) {}
@@ -121,14 +122,14 @@ class Cache final : public Node<T> {
       upstream_ids_ = walk.next_id - first_upstream_id;
       sharded_upstream_ = walk.sharded;
     }
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     if (replaying_) {
       if (position_ == filling_.size()) return std::nullopt;
       return filling_[position_++];
     }
-    std::optional<T> item = upstream_->next();
+    std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
     if (!item) {
       complete_ = true;
       return std::nullopt;
@@ -139,6 +140,8 @@ class Cache final : public Node<T> {
   std::string name() const override { return "cache"; }
 
  private:
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
+
   NodePtr<T> upstream_;
   std::vector<T> filling_;  // the items of the first pass, complete once complete_
   bool complete_ = false;

@@ -8,20 +8,21 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
 
 template <class T>
-class Shard final : public Node<T> {
+class Shard final : public MeteredNode<T> {
  public:
   using item_type = T;
   explicit Shard(NodePtr<T> upstream) : upstream_(std::move(upstream)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     upstream_->reset(pass, walk);
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
     index_ = 0;
     count_ = 1;
     if (!walk.sharded) {
@@ -31,15 +32,17 @@ class Shard final : public Node<T> {
     }
     position_ = 0;
   }
-  std::optional<T> next() override {
-    while (std::optional<T> item = upstream_->next()) {
+  std::string name() const override { return "shard"; }
+
+ private:
+  std::optional<T> produce() override {
+    while (std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); })) {
       if (position_++ % count_ == index_) return item;
     }
     return std::nullopt;
   }
-  std::string name() const override { return "shard"; }
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
 
- private:
   NodePtr<T> upstream_;
   uint64_t index_ = 0, count_ = 1, position_ = 0;
 };

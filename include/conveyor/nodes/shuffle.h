@@ -25,7 +25,7 @@ class Shuffle final : public Stage<T, T> {
       : Stage<T, T>(std::move(upstream)), buffer_size_(buffer_size) {
     if (buffer_size_ == 0) throw ValueError("shuffle: buffer_size should be a positive integer value, but got 0");
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     while (!upstream_done_ && buffer_.size() < buffer_size_) {
       std::optional<T> item = this->pull();
       if (!item) {

@@ -20,6 +20,7 @@
 
 #include "conveyor/dataset.h"
 #include "conveyor/node.h"
+#include "conveyor/nodes/stage.h"
 #include "conveyor/sampler.h"
 
 namespace conveyor::nodes {
@@ -38,16 +39,16 @@ inline Stride take_shard(const PassContext& pass, conveyor::detail::ResetWalk& w
 }  // namespace detail
 
 template <class T>
-class VectorSource final : public Node<T> {
+class VectorSource final : public Source<T> {
  public:
   explicit VectorSource(std::shared_ptr<const std::vector<T>> items) : items_(std::move(items)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     stride_ = detail::take_shard(pass, walk);
     next_ = stride_.first;
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     if (next_ >= items_->size()) return std::nullopt;
     const size_t index = next_;
     next_ += stride_.step;
@@ -67,7 +68,7 @@ Pipeline<T> from_vector(std::vector<T> items) {
       std::make_unique<VectorSource<T>>(std::make_shared<const std::vector<T>>(std::move(items))));
 }
 
-class RangeSource final : public Node<int64_t> {
+class RangeSource final : public Source<int64_t> {
  public:
   RangeSource(int64_t begin, int64_t end) : begin_(begin), end_(end) {}
   using Node<int64_t>::reset;
@@ -75,9 +76,9 @@ class RangeSource final : public Node<int64_t> {
     const detail::Stride stride = detail::take_shard(pass, walk);
     next_ = begin_ + static_cast<int64_t>(stride.first);
     step_ = static_cast<int64_t>(stride.step);
-    walk.next_id++;
+    start_metering(pass, walk.next_id++);
   }
-  std::optional<int64_t> next() override {
+  std::optional<int64_t> produce() override {
     if (next_ >= end_) return std::nullopt;
     const int64_t value = next_;
     next_ += step_;
@@ -98,7 +99,7 @@ inline Pipeline<int64_t> from_range(int64_t begin, int64_t end) {
 // each pass). The dataset is shared, or borrowed through a shared_ptr that
 // owns nothing (it must then outlive the pipeline).
 template <MapStyleDataset D>
-class MapDatasetSource final : public Node<sample_t<D>> {
+class MapDatasetSource final : public Source<sample_t<D>> {
  public:
   using T = sample_t<D>;
   MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<size_t>> sampler)
@@ -106,7 +107,7 @@ class MapDatasetSource final : public Node<sample_t<D>> {
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     stride_ = detail::take_shard(pass, walk);
-    walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
     if (sampler_) {
       sampler_->set_epoch(pass.epoch);
       indices_ = sampler_->iter();
@@ -115,7 +116,7 @@ class MapDatasetSource final : public Node<sample_t<D>> {
     }
     position_ = 0;
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     size_t index = 0;
     // Skip what belongs to other shards: the k-th index goes to shard k % count.
     while (true) {
@@ -153,25 +154,25 @@ Pipeline<sample_t<D>> from_map_dataset(D& dataset, std::shared_ptr<Sampler<size_
 // WorkerInfo (id = shard index, num_workers = shard count), so a dataset
 // written for PyTorch's workers splits itself the same way here.
 template <IterableStyleDataset D>
-class IterableSource final : public Node<sample_t<D>> {
+class IterableSource final : public Source<sample_t<D>> {
  public:
   using T = sample_t<D>;
   explicit IterableSource(std::shared_ptr<D> dataset) : dataset_(std::move(dataset)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     const detail::Stride stride = detail::take_shard(pass, walk);
-    id_ = walk.next_id++;
+    this->start_metering(pass, walk.next_id++);
     info_ = WorkerInfo{};
     info_.id = static_cast<int>(stride.first);
     info_.num_workers = static_cast<int>(stride.step);
-    info_.seed = item_seed(pass, id_, 0);
+    info_.seed = item_seed(pass, this->id_, 0);
     info_.set_dataset(dataset_.get());
     if constexpr (requires(D& d) { d.set_epoch(pass.epoch); }) dataset_->set_epoch(pass.epoch);
     stream_.reset();
     opened_ = false;
     position_ = 0;
   }
-  std::optional<T> next() override {
+  std::optional<T> produce() override {
     try {
       if (!opened_) {
         opened_ = true;  // an iter() that throws ends the stream (PyTorch's rule)
@@ -191,7 +192,6 @@ class IterableSource final : public Node<sample_t<D>> {
   std::shared_ptr<D> dataset_;
   WorkerInfo info_;
   std::unique_ptr<SampleIterator<T>> stream_;
-  uint64_t id_ = 0;
   bool opened_ = false;
   uint64_t position_ = 0;
 };

@@ -21,17 +21,17 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class ListFiles final : public Node<std::string> {
+class ListFiles final : public Source<std::string> {
  public:
   ListFiles(std::string root, std::string glob, ListFilesOptions options)
       : root_(std::move(root)), glob_(std::move(glob)), options_(options) {}
   using Node<std::string>::reset;
-  void reset(const PassContext&, conveyor::detail::ResetWalk& walk) override {
-    walk.next_id++;  // not shardable: every rank lists the same files
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    start_metering(pass, walk.next_id++);  // not shardable: every rank lists the same files
     if (!listed_) list();  // lazily, at the first pass; a listing serves every pass
     next_ = 0;
   }
-  std::optional<std::string> next() override {
+  std::optional<std::string> produce() override {
     if (next_ == paths_.size()) return std::nullopt;
     return paths_[next_++];
   }
@@ -67,7 +67,7 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
  public:
   ReadFiles(NodePtr<std::string> upstream, ReadFilesOptions options)
       : Stage(std::move(upstream)), options_(options) {}
-  std::optional<FileBytes> next() override {
+  std::optional<FileBytes> produce() override {
     std::optional<std::string> path = pull();
     if (!path) return std::nullopt;
     try {
@@ -82,7 +82,7 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
 
  private:
   std::vector<uint8_t> read(const std::string& path) const {
-    detail::OpenedFile file = detail::open_regular_file(path);
+    conveyor::detail::OpenedFile file = conveyor::detail::open_regular_file(path);
     if (!file.problem.empty()) throw DataError(file.problem, path);
     struct Closer {
       int fd;
@@ -97,7 +97,7 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
     while (done < bytes.size()) {
       const ssize_t got = ::read(file.fd, bytes.data() + done, bytes.size() - done);
       if (got < 0 && errno == EINTR) continue;
-      if (got < 0) throw DataError("cannot read: " + detail::os_reason(errno), path);
+      if (got < 0) throw DataError("cannot read: " + conveyor::detail::os_reason(errno), path);
       if (got == 0) break;  // shrank meanwhile
       done += static_cast<size_t>(got);
     }
@@ -115,7 +115,7 @@ struct ArchiveFree {
 class Untar final : public Stage<FileBytes, TarMember> {
  public:
   Untar(NodePtr<FileBytes> upstream, UntarOptions options) : Stage(std::move(upstream)), options_(options) {}
-  std::optional<TarMember> next() override {
+  std::optional<TarMember> produce() override {
     while (true) {
       try {
         if (!archive_) {
@@ -128,12 +128,11 @@ class Untar final : public Stage<FileBytes, TarMember> {
       } catch (const DataError&) {
         archive_.reset();  // a corrupt archive ends here
         if (options_.on_error == OnError::raise) throw;
-        ++skipped_;
+        ++this->meter_.skipped;
       }
     }
   }
   std::string name() const override { return "untar"; }
-  uint64_t skipped() const noexcept { return skipped_; }
 
  protected:
   void start_pass() override { archive_.reset(); }
@@ -180,7 +179,6 @@ class Untar final : public Stage<FileBytes, TarMember> {
   UntarOptions options_;
   FileBytes current_;  // what archive_ reads from
   std::unique_ptr<struct archive, ArchiveFree> archive_;
-  uint64_t skipped_ = 0;
 };
 
 // WebDataset's key: the member name up to the first '.' after the last '/'.
@@ -200,7 +198,7 @@ std::pair<std::string, std::string> split_key(const std::string& name) {
 class GroupByKey final : public Stage<TarMember, ShardSample> {
  public:
   explicit GroupByKey(NodePtr<TarMember> upstream) : Stage(std::move(upstream)) {}
-  std::optional<ShardSample> next() override {
+  std::optional<ShardSample> produce() override {
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
     while (true) {
       std::optional<TarMember> member;
@@ -249,7 +247,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample> {
 class DecodeImage final : public Stage<std::vector<uint8_t>, Array<uint8_t>> {
  public:
   DecodeImage(NodePtr<std::vector<uint8_t>> upstream, int channels) : Stage(std::move(upstream)), channels_(channels) {}
-  std::optional<Array<uint8_t>> next() override {
+  std::optional<Array<uint8_t>> produce() override {
     std::optional<std::vector<uint8_t>> bytes = pull();
     if (!bytes) return std::nullopt;
     try {

@@ -41,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "conveyor/buffer.h"
 #include "conveyor/errors.h"
 
 namespace conveyor {
@@ -74,6 +75,9 @@ struct PassContext {
   uint64_t seed = 0;  // the pipeline's base seed
   ShardSpec shard;
   bool timed = false;  // nodes time themselves for metrics (two clock reads per item each)
+  // Where collate nodes allocate their batches: the pinned pool of a
+  // pin_memory downstream of them; nullptr for the heap.
+  BufferAllocator* batch_memory = nullptr;
 };
 
 // What a node did in its current (or last) pass: Pipeline::metrics().

@@ -1,5 +1,6 @@
 // conveyor/nodes.h: the pipeline graph's nodes (conveyor/node.h has the
-// contract). Sources, transforms, grouping, shuffling, repetition, merging.
+// contract). Sources, transforms, grouping, shuffling, repetition, merging,
+// the transfer to a device.
 #pragma once
 
 #include "conveyor/node.h"
@@ -11,3 +12,4 @@
 #include "conveyor/nodes/shard.h"
 #include "conveyor/nodes/shuffle.h"
 #include "conveyor/nodes/sources.h"
+#include "conveyor/nodes/transfer.h"

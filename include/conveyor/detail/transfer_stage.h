@@ -56,6 +56,12 @@ class TransferStage final : public BatchSource<Batch> {
 
   // The device copy of the batch next() returned last.
   const DeviceBatch& current() const noexcept { return current_; }
+  // Keeps that copy's scratch device buffers (those outside the pinned pool)
+  // alive for as long as the holder wants; nullptr when it has none.
+  std::shared_ptr<void> hold_current_scratch() const {
+    if (current_scratch_.empty()) return nullptr;
+    return std::make_shared<std::vector<std::shared_ptr<Scratch>>>(current_scratch_);
+  }
 
   void add_metrics(LoaderMetrics& metrics) const override {
     inner_->add_metrics(metrics);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "conveyor/array.h"
+#include "conveyor/buffer.h"
 #include "conveyor/collate.h"
 #include "conveyor/nodes/stage.h"
 
@@ -73,6 +74,9 @@ class Collate final : public Stage<Items, std::remove_cvref_t<std::invoke_result
   std::optional<Out> produce() override {
     std::optional<Items> items = this->pull();
     if (!items) return std::nullopt;
+    // Into the pinned pool below a pin_memory, on whichever thread runs this.
+    std::optional<conveyor::detail::AllocatorScope> memory;
+    if (this->pass_.batch_memory) memory.emplace(this->pass_.batch_memory);
     try {
       return fn_(std::move(*items));
     } catch (...) {

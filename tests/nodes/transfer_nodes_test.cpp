@@ -1,0 +1,151 @@
+// pin_memory and to_device as nodes, through the host stand-in device: the
+// loader's transfer stage, standalone. Order, device copies that match,
+// batches written once into the pinned pool (on any thread), a bounded pool,
+// errors in place, and nothing left behind by a pass left mid-copy.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+#include <conveyor/detail/buffer_pool.h>
+#include <conveyor/nodes.h>
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "support/test_device.h"
+
+namespace {
+
+namespace nodes = conveyor::nodes;
+using conveyor::testing::TestDevice;
+
+constexpr int64_t kBatch = 32;
+constexpr int64_t kBatches = 40;
+
+std::shared_ptr<TestDevice> test_device() {
+  return std::make_shared<TestDevice>(conveyor::make_host_standin_device());
+}
+
+// Checks one item: its device copy holds what the host holds.
+void expect_copied(const nodes::OnDevice<conveyor::Array<int64_t>>& item) {
+  item.device.ready.synchronize();
+  ASSERT_EQ(item.device.buffers.size(), 1u);
+  const conveyor::DeviceBuffer& buffer = item.device.buffers[0];
+  EXPECT_EQ(buffer.host, item.host.data());
+  EXPECT_EQ(buffer.bytes, static_cast<size_t>(item.host.numel()) * sizeof(int64_t));
+  EXPECT_EQ(std::memcmp(buffer.device, buffer.host, buffer.bytes), 0);
+  EXPECT_EQ(item.device.find(item.host), buffer.device);
+}
+
+TEST(ToDevice, ItemsArriveInOrderCopiedFromThePinnedPoolWhichStaysBounded) {
+  for (size_t depth : {0, 1, 3}) {
+    auto device = test_device();
+    {
+      auto pipeline = nodes::from_range(0, kBatch * kBatches) | nodes::batch(kBatch) | nodes::collate() |
+                      nodes::pin_memory(device) | nodes::to_device(device, depth);
+      EXPECT_EQ(device->pinned_allocations.load(), 0) << "nothing before the first pass";
+      for (int pass = 0; pass < 2; ++pass) {
+        int64_t expected = 0;
+        for (auto& item : pipeline.pass()) {
+          expect_copied(item);
+          EXPECT_EQ(item.host[0], expected * kBatch);
+          EXPECT_TRUE(conveyor::detail::is_pool_buffer(item.host.owner())) << "collate wrote into the pool";
+          ++expected;
+        }
+        EXPECT_EQ(expected, kBatches);
+      }
+      // The pool recycles: buffers in use at once are the depth ahead, the
+      // item held and the one being collated, not one per batch.
+      EXPECT_LE(device->pinned_allocations.load(), static_cast<int>(depth) + 3) << "depth " << depth;
+      // Each pool buffer has one device twin; nothing needed scratch memory.
+      EXPECT_EQ(device->device_allocations.load(), device->pinned_allocations.load());
+    }
+    EXPECT_EQ(device->live_pinned.load(), 0);
+    EXPECT_EQ(device->live_device.load(), 0);
+  }
+}
+
+TEST(ToDevice, CollateBehindAPrefetchStillWritesIntoThePool) {
+  auto device = test_device();
+  auto pipeline = nodes::from_range(0, kBatch * 10) | nodes::batch(kBatch) | nodes::collate() |
+                  nodes::prefetch(2) | nodes::pin_memory(device) | nodes::to_device(device, 1);
+  int64_t batches = 0;
+  for (auto& item : pipeline.pass()) {
+    expect_copied(item);
+    EXPECT_TRUE(conveyor::detail::is_pool_buffer(item.host.owner()));
+    ++batches;
+  }
+  EXPECT_EQ(batches, 10);
+}
+
+TEST(ToDevice, MemoryFromOutsideThePoolGoesThroughScratchBuffersFreedWithTheItem) {
+  auto device = test_device();
+  {
+    auto pipeline = nodes::from_range(0, kBatch * 6) | nodes::batch(kBatch) | nodes::collate() |
+                    nodes::to_device(device, 2);
+    std::vector<nodes::OnDevice<conveyor::Array<int64_t>>> kept;
+    for (auto& item : pipeline.pass()) {
+      expect_copied(item);
+      EXPECT_FALSE(conveyor::detail::is_pool_buffer(item.host.owner()));
+      kept.push_back(std::move(item));
+    }
+    ASSERT_EQ(kept.size(), 6u);
+    // Kept items keep their device copies: every one still matches.
+    for (const auto& item : kept) expect_copied(item);
+    EXPECT_EQ(device->live_device.load(), 6);
+    EXPECT_EQ(device->pinned_allocations.load(), 0);
+  }
+  EXPECT_EQ(device->live_device.load(), 0);
+}
+
+TEST(ToDevice, UpstreamAndCopyErrorsKeepTheirPlaceAndThePassGoesOn) {
+  auto device = test_device();
+  auto fail_third = [](std::vector<int64_t>&& batch) {
+    if (batch[0] == 3 * kBatch) throw std::runtime_error("bad batch");
+    return conveyor::default_collate(std::move(batch));
+  };
+  auto pipeline = nodes::from_range(0, kBatch * 8) | nodes::batch(kBatch) | nodes::collate(fail_third) |
+                  nodes::pin_memory(device) | nodes::to_device(device, 2);
+  device->fail_copy_number = 5;  // the sixth copy queued: batch 6, after the failed batch 3 made none
+  auto pass = pipeline.pass();
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      auto item = pass.next();
+      if (!item) break;
+      expect_copied(*item);
+      events.push_back(std::to_string(item->host[0] / kBatch));
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_EQ(e.node(), "collate");
+      events.push_back("collate error@" + std::to_string(e.position()));
+    } catch (const conveyor::WorkerError& e) {
+      EXPECT_EQ(e.context().stage, "transfer");
+      EXPECT_NE(std::string(e.what()).find("copy engine fault"), std::string::npos) << e.what();
+      events.push_back("copy error");
+    }
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "2", "collate error@3", "4", "5", "copy error", "7"}));
+}
+
+TEST(ToDevice, PassesLeftMidCopyLeaveNothingBehind) {
+  auto device = test_device();
+  {
+    auto pipeline = nodes::from_range(0, kBatch * kBatches) | nodes::batch(kBatch) | nodes::collate() |
+                    nodes::prefetch(3) | nodes::pin_memory(device) | nodes::to_device(device, 4);
+    for (int round = 0; round < 200; ++round) {
+      auto pass = pipeline.pass();
+      for (int k = 0; k < round % 7; ++k) ASSERT_EQ((*pass.next()).host[0], k * kBatch);
+    }
+    const auto metrics = pipeline.metrics();
+    EXPECT_EQ(metrics.back().name, "to_device(4)");
+    EXPECT_EQ(metrics.back().items_out, 199u % 7);
+    EXPECT_EQ(metrics.back().window, 5u);
+  }
+  EXPECT_EQ(device->live_pinned.load(), 0);
+  EXPECT_EQ(device->live_device.load(), 0);
+  EXPECT_THROW(nodes::from_range(0, 1) | nodes::to_device(nullptr), conveyor::ValueError);
+}
+
+}  // namespace

@@ -1,0 +1,77 @@
+// Liveness ports: how a rank whose collective failed tells "that peer's
+// process is gone" from "that peer is slow or stuck", and names it. Gloo's
+// own errors name only a socket address, not a rank.
+//
+// Every rank listens on a TCP port and never accepts on it; when the group
+// is made the ranks swap the addresses and each connects to every other's
+// port (the kernel completes the handshake from the listen backlog). When a
+// process ends, however it ends (exit, crash, SIGKILL), the kernel closes its
+// listener and resets every queued connection, so the peers' connections
+// report a hang-up within moments of Gloo's own sockets dropping. A stuck
+// process keeps its connections open. Waiting on those connections, not
+// probing once, matters: a dying process's descriptors are released in an
+// order the kernel does not promise, so its Gloo sockets may drop first.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace conveyor::distributed::detail {
+
+// Where a rank's liveness port is, and who holds it (for messages).
+struct Peer {
+  std::string host;  // numeric address the others connect to
+  uint16_t port = 0;
+  long pid = 0;
+  std::string hostname;
+};
+
+// Fixed size of a serialized Peer: one allgather of equal tensors swaps them.
+inline constexpr size_t kPeerRecordBytes = 256;
+
+std::string serialize(const Peer& peer);  // exactly kPeerRecordBytes
+Peer deserialize(const uint8_t* bytes);   // kPeerRecordBytes of them
+
+// The local address this host uses to reach `remote_host` (a UDP connect
+// sends nothing): the address peers can reach us at, 127.0.0.1 when the
+// master is on the loopback. Throws std::runtime_error when it cannot.
+std::string local_address_towards(const std::string& remote_host);
+
+bool is_loopback(const std::string& numeric_host);
+
+// A listening socket held for the life of the process's group.
+class LivenessPort {
+ public:
+  explicit LivenessPort(const std::string& local_host);  // throws std::system_error
+  LivenessPort(const LivenessPort&) = delete;
+  LivenessPort& operator=(const LivenessPort&) = delete;
+  ~LivenessPort();
+
+  const Peer& self() const noexcept { return self_; }
+
+ private:
+  int fd_ = -1;
+  Peer self_;
+};
+
+// One connection to each other rank's liveness port.
+class Watch {
+ public:
+  // Connects to every peer but `self`, each within `budget`. Throws
+  // std::runtime_error naming the rank and address it cannot reach.
+  Watch(const std::vector<Peer>& peers, int self, std::chrono::milliseconds budget);
+  Watch(const Watch&) = delete;
+  Watch& operator=(const Watch&) = delete;
+  ~Watch();
+
+  // The ranks whose connection hung up: waits up to `budget` for the first,
+  // then takes every other one already down. Empty when none did.
+  std::vector<int> gone(std::chrono::milliseconds budget) const;
+
+ private:
+  std::vector<int> fds_;  // by rank; -1 for self
+};
+
+}  // namespace conveyor::distributed::detail

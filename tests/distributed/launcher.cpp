@@ -1,0 +1,212 @@
+#include "launcher.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+extern char** environ;
+
+namespace conveyor::test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+// Variables a launcher sets: the test's own must not leak into its ranks
+// (ctest itself may run under torchrun or mpirun).
+bool launcher_variable(const std::string& name) {
+  static const char* exact[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME"};
+  for (const char* e : exact) {
+    if (name == e) return true;
+  }
+  return name.rfind("OMPI_COMM_WORLD_", 0) == 0 || name.rfind("TORCHELASTIC_", 0) == 0;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+
+}  // namespace
+
+uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) fail("socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) fail("bind");
+  socklen_t length = sizeof address;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) fail("getsockname");
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+std::string LaunchResult::describe() const {
+  std::ostringstream out;
+  out << ranks.size() << " processes, " << elapsed.count() << " ms\n";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const RankResult& r = ranks[i];
+    out << "--- process " << i << ": exit " << r.exit_code;
+    if (r.signal != 0) out << ", signal " << r.signal;
+    if (r.killed_at_deadline) out << ", KILLED AT THE DEADLINE";
+    out << "\n" << r.output;
+  }
+  return out.str();
+}
+
+LaunchResult run_all(const std::vector<Command>& commands, std::chrono::milliseconds deadline) {
+  char dir_template[] = "/tmp/conveyor-distributed-XXXXXX";
+  if (::mkdtemp(dir_template) == nullptr) fail("mkdtemp");
+  const std::string dir = dir_template;
+
+  struct Child {
+    pid_t pid = -1;
+    int pidfd = -1;
+    std::string log;
+    bool done = false;
+  };
+  std::vector<Child> children(commands.size());
+  LaunchResult result;
+  result.ranks.resize(commands.size());
+  const Clock::time_point start = Clock::now();
+
+  for (size_t i = 0; i < commands.size(); ++i) {
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string entry = *e;
+      if (!launcher_variable(entry.substr(0, entry.find('=')))) env_strings.push_back(entry);
+    }
+    for (const auto& [key, value] : commands[i].env) env_strings.push_back(key + "=" + value);
+    std::vector<char*> envp;
+    for (std::string& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_strings = commands[i].argv;
+    std::vector<char*> argv;
+    for (std::string& s : argv_strings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+
+    children[i].log = dir + "/process-" + std::to_string(i) + ".log";
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, children[i].log.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    posix_spawnattr_t attributes;
+    posix_spawnattr_init(&attributes);
+    // A group of its own: the deadline kills torchrun's workers with it.
+    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attributes, 0);
+    int rc = ::posix_spawn(&children[i].pid, argv[0], &actions, &attributes, argv.data(),
+                           envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attributes);
+    if (rc != 0) {
+      errno = rc;
+      fail("posix_spawn " + commands[i].argv[0]);
+    }
+    children[i].pidfd = pidfd_open(children[i].pid);
+    if (children[i].pidfd < 0) fail("pidfd_open");
+  }
+
+  // Wait for exits on the pidfds, never past the deadline.
+  size_t running = children.size();
+  while (running > 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        start + deadline - Clock::now());
+    if (left.count() <= 0) break;
+    std::vector<pollfd> fds;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (children[i].done) continue;
+      fds.push_back({children[i].pidfd, POLLIN, 0});
+      which.push_back(i);
+    }
+    int ready = ::poll(fds.data(), fds.size(), static_cast<int>(left.count()));
+    if (ready < 0 && errno != EINTR) fail("poll");
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if ((fds[k].revents & POLLIN) == 0) continue;
+      Child& child = children[which[k]];
+      int status = 0;
+      ::waitpid(child.pid, &status, 0);
+      RankResult& r = result.ranks[which[k]];
+      if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+      child.done = true;
+      --running;
+    }
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    if (!children[i].done) {
+      ::kill(-children[i].pid, SIGKILL);
+      int status = 0;
+      ::waitpid(children[i].pid, &status, 0);
+      result.ranks[i].killed_at_deadline = true;
+      result.ranks[i].signal = SIGKILL;
+    }
+    ::close(children[i].pidfd);
+    result.ranks[i].output = read_file(children[i].log);
+    ::unlink(children[i].log.c_str());
+  }
+  ::rmdir(dir.c_str());
+  result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  return result;
+}
+
+LaunchResult launch(const std::string& binary, const std::vector<std::string>& args, int world,
+                    uint16_t port, std::chrono::milliseconds deadline,
+                    const std::map<int, std::map<std::string, std::string>>& per_rank_env) {
+  std::vector<Command> commands;
+  for (int rank = 0; rank < world; ++rank) {
+    Command command;
+    command.argv.push_back(binary);
+    command.argv.insert(command.argv.end(), args.begin(), args.end());
+    command.env = {{"RANK", std::to_string(rank)},
+                   {"WORLD_SIZE", std::to_string(world)},
+                   {"LOCAL_RANK", std::to_string(rank)},
+                   {"LOCAL_WORLD_SIZE", std::to_string(world)},
+                   {"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", std::to_string(port)}};
+    if (auto it = per_rank_env.find(rank); it != per_rank_env.end()) {
+      for (const auto& [key, value] : it->second) command.env[key] = value;
+    }
+    commands.push_back(std::move(command));
+  }
+  return run_all(commands, deadline);
+}
+
+std::string value_of(const std::string& output, int rank, const std::string& key) {
+  // Anywhere in the line: torchrun's --tee puts "[default0]:" before it.
+  const std::string prefix = "rank " + std::to_string(rank) + ": " + key + "=";
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    if (auto at = line.find(prefix); at != std::string::npos) return line.substr(at + prefix.size());
+  }
+  return "";
+}
+
+}  // namespace conveyor::test

@@ -46,6 +46,9 @@ class Generator {
   explicit Generator(uint64_t seed);
   // Draws from `engine` (shared, not copied).
   explicit Generator(std::shared_ptr<RandomEngine> engine);
+  // A generator that is cheap to seed (xoshiro256**), for one item's draws in
+  // a pipeline node. The same draw primitives; not torch's bit stream.
+  static Generator for_item(uint64_t seed);
 
   // Generator::manual_seed(): reseeds this engine (and every copy sharing it).
   Generator& manual_seed(uint64_t seed);

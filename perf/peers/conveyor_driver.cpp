@@ -3,15 +3,23 @@
 //
 //   conveyor_driver --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]
 //                   [--in-order 0|1] [--seconds S] [--warmup S] [--samples N]
-//                   [--w2-iterations K] [--shards a.tar,b.tar]
+//                   [--w2-iterations K] [--shards a.tar,b.tar] [--pipeline loader|nodes]
 //
 // Options: batch_size per workload, sequential order (no shuffle),
 // prefetch_factor 2, persistent_workers for N > 0. The JSON line adds
 // conveyor's own metrics (Epoch::metrics()) over the timed phase.
+//
+// W5 with --pipeline nodes runs the same decode and augment as a node graph
+// instead of a DataLoader (peer "conveyor-nodes"):
+//   shard paths | untar (streamed) | group_by_key | map(decode + augment, W workers)
+//          | batch | collate
+// the serial nodes on the consumer's thread, map on W engine workers.
 #include <conveyor/conveyor.h>
 #if CONVEYOR_PERF_HAVE_FORMATS
 #include <conveyor/idx.h>
 #include <conveyor/image.h>
+#include <conveyor/nodes.h>
+#include <conveyor/nodes/files.h>
 #include <conveyor/tar_shards.h>
 #include <conveyor/transforms.h>
 #endif
@@ -104,6 +112,33 @@ int run_w5(perf::Args args) {
   args.samples = 0;  // streamed: the count is whatever the shards hold
   return perf::run_conveyor(args, *decoded, "conveyor");
 }
+
+int run_w5_nodes(perf::Args args) {
+  namespace nodes = conveyor::nodes;
+  auto pipeline = nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key() |
+                  nodes::map([](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
+                             {.workers = args.workers, .on_error = conveyor::OnError::skip}) |
+                  nodes::batch(static_cast<size_t>(args.batch_size)) | nodes::collate();
+  using Pass = decltype(pipeline.pass());
+  std::optional<Pass> pass;
+  perf::Result result = perf::drive(
+      args,
+      [&] {
+        pass.reset();
+        pass.emplace(pipeline.pass());
+      },
+      [&](size_t& samples) {
+        auto batch = pass->next();
+        if (!batch) return false;
+        samples = perf::batch_length(*batch);
+        return true;
+      },
+      [] {});
+  pass.reset();
+  result.peer = "conveyor-nodes";
+  print_result(args, result);
+  return 0;
+}
 #endif
 
 }  // namespace
@@ -132,7 +167,7 @@ int main(int argc, char** argv) {
       return perf::run_conveyor(args, dataset, "conveyor");
     }
 #if CONVEYOR_PERF_HAVE_FORMATS
-    if (args.workload == "W5") return run_w5(args);
+    if (args.workload == "W5") return args.pipeline == "nodes" ? run_w5_nodes(args) : run_w5(args);
 #endif
     std::fprintf(stderr, "conveyor_driver: %s is not built in (conveyor::formats missing)\n",
                  args.workload.c_str());

@@ -198,6 +198,7 @@ struct Args {
   int64_t w2_iterations = 0;  // W2: spin() iterations per sample (run_all calibrates)
   std::vector<std::string> shards;  // W5
   int prefetch_factor = 2;
+  std::string pipeline = "loader";  // W5 on conveyor: "loader" (DataLoader) or "nodes" (a node graph)
 };
 
 [[noreturn]] inline void usage(const char* program, const std::string& problem) {
@@ -205,7 +206,7 @@ struct Args {
                "%s: %s\n"
                "usage: %s --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]\n"
                "       [--in-order 0|1] [--seconds S] [--warmup S] [--samples N] [--batch-size B]\n"
-               "       [--w2-iterations K] [--shards a.tar,b.tar,...]\n",
+               "       [--w2-iterations K] [--shards a.tar,b.tar,...] [--pipeline loader|nodes]\n",
                program, problem.c_str(), program);
   std::exit(2);
 }
@@ -258,6 +259,9 @@ inline Args parse_args(int argc, char** argv) {
       args.shards = split_commas(value);
     } else if (flag == "--prefetch-factor") {
       args.prefetch_factor = std::atoi(value.c_str());
+    } else if (flag == "--pipeline") {
+      if (value != "loader" && value != "nodes") usage(argv[0], "bad --pipeline " + value);
+      args.pipeline = value;
     } else {
       usage(argv[0], "unknown flag " + flag);
     }
@@ -271,6 +275,7 @@ inline Args parse_args(int argc, char** argv) {
   if (args.samples == 0 && w != "W5") args.samples = default_samples(w);
   if (w == "W2" && args.w2_iterations <= 0) usage(argv[0], "W2 needs --w2-iterations (run_all calibrates it)");
   if (w == "W5" && args.shards.empty()) usage(argv[0], "W5 needs --shards");
+  if (args.pipeline == "nodes" && w != "W5") usage(argv[0], "--pipeline nodes is W5's only");
   return args;
 }
 

@@ -20,7 +20,7 @@ import w4_model  # beside this file
 
 MIB = 1024 * 1024
 ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
-PEERS = ["conveyor-torch", "conveyor", "libtorch", "python"]
+PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "libtorch", "python"]
 CONVEYORS = ("conveyor", "conveyor-torch")
 # What each conveyor peer runs when the suite names no mode: the library's
 # defaults (work stealing, in order). W4 runs native conveyor in all four
@@ -297,6 +297,9 @@ class Report:
                     "p99 <= LibTorch's", "; ".join(parts) or "-", all(verdicts) if verdicts else None)
         self.ratio_target("W5 >= 1.2x LibTorch (the same decode and augment)", "W5", self.workers_of("W5"),
                           conveyor("W5"), peer("libtorch", "W5"), 1.2)
+        self.ratio_target("W5 as a node graph (untar, group_by_key, map on W workers, batch, collate) "
+                          ">= 1.2x LibTorch", "W5", self.workers_of("W5"),
+                          peer("conveyor-nodes", "W5"), peer("libtorch", "W5"), 1.2)
         # Native samples: against the loader-free cost of the same work.
         self.ratio_target("native samples: W0 against a bare loop of the same work (reported, no target)", "W0",
                           self.workers_of("W0"), conveyor("W0"), limit("W0"), 0)

@@ -66,7 +66,7 @@ class Suite:
         self.seconds = env_float("PERF_SECONDS", 2.0)
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
-        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "libtorch", "python"])
+        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
@@ -91,6 +91,8 @@ class Suite:
             common += ["--w2-iterations", str(iterations)]
         if workload == "W5":
             common += ["--shards", ",".join(self.shards)]
+        if peer == "conveyor-nodes":
+            return [self.binary("conveyor_driver")] + common + ["--pipeline", "nodes"]
         if peer in ("conveyor", "conveyor-torch"):
             driver = "conveyor_driver" if peer == "conveyor" else "conveyor_torch_driver"
             command = [self.binary(driver)] + common
@@ -104,8 +106,10 @@ class Suite:
         return [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py")] + common
 
     def available(self, peer, workload):
-        if peer == "conveyor" and not self.binary("conveyor_driver"):
+        if peer in ("conveyor", "conveyor-nodes") and not self.binary("conveyor_driver"):
             return "conveyor_driver was not built"
+        if peer == "conveyor-nodes" and workload != "W5":
+            return "the node-graph peer runs W5 only"
         if peer == "conveyor-torch":
             if workload not in TORCH_SAMPLE_WORKLOADS:
                 return "no torch-sample variant (W5's samples are the decoder's own)"

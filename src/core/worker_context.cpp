@@ -28,7 +28,7 @@ WorkerScope::~WorkerScope() { tls_scope = previous_; }
 
 Generator* WorkerScope::generator() {
   if (generator_ == nullptr) {
-    lazy_.emplace(lazy_seed_);
+    lazy_.emplace(Generator::for_item(lazy_seed_));
     generator_ = &*lazy_;
   }
   return generator_;

@@ -99,7 +99,7 @@ TEST(ParallelMap, MetricsSumTheWorkersTimeAndShowTheWindow) {
                         conveyor::testing::spin_delay(kSpinNs);
                         return x;
                       },
-                      {.workers = 4, .on_error = conveyor::OnError::skip}) |
+                      {.workers = 4, .window = 8, .on_error = conveyor::OnError::skip}) |
                   nodes::prefetch(3);
   pipeline.timed();
   EXPECT_EQ(one_pass(pipeline).size(), static_cast<size_t>(kItems - 4));

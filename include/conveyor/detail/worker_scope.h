@@ -20,8 +20,8 @@ Generator* current_worker_generator();
 class WorkerScope {
  public:
   WorkerScope(const WorkerInfo* info, Generator* generator) noexcept;
-  // A generator seeded `lazy_seed`, built only if the task asks for it:
-  // seeding MT19937 costs more than a small batch.
+  // Generator::for_item(lazy_seed), built only if the task asks for it (a
+  // pipeline node's per-item generator).
   WorkerScope(const WorkerInfo* info, uint64_t lazy_seed) noexcept;
   ~WorkerScope();
   WorkerScope(const WorkerScope&) = delete;

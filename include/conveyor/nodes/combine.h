@@ -159,7 +159,7 @@ class WeightedMux final : public Merge<T> {
     while (this->active_count_ > 0) {
       // Each pick draws from the item's own seed: the sequence of picks is
       // the same for the same pass.
-      Generator generator(item_seed(this->pass_, this->id_, this->produced_++));
+      Generator generator = Generator::for_item(item_seed(this->pass_, this->id_, this->produced_++));
       double total = 0;
       for (size_t i = 0; i < weights_.size(); ++i) total += this->active_[i] ? weights_[i] : 0;
       double u = uniform(generator) * total;

@@ -2,15 +2,17 @@
 // (target conveyor::formats). WebDataset's tar-shard reading, built from
 // small nodes:
 //
-//   list_files(root, "*.tar") | shard() | read_files() | untar() | group_by_key()
+//   list_files(root, "*.tar") | shard() | untar() | group_by_key()
 //       | map(decode, {.workers = 8}) | shuffle(1000) | batch(64) | collate()
 //
 //   list_files(root, glob, {.recursive})   paths under root matching glob
 //                                          (fnmatch on the name), sorted; lists
 //                                          at the first pass, not before
 //   read_files()                           path -> FileBytes (regular files only)
-//   untar()                                FileBytes of a tar -> its regular
-//                                          members, streamed, in archive order
+//   untar()                                a tar's FileBytes, or its path -> its
+//                                          regular members in archive order; a
+//                                          path is streamed from the file, one
+//                                          member in memory at a time
 //   group_by_key()                         consecutive members of one key (the
 //                                          name up to its first '.' after the
 //                                          last '/') -> ShardSample
@@ -62,8 +64,13 @@ struct UntarOptions {
   uint64_t max_member_bytes = kDefaultMaxSampleBytes;
   OnError on_error = OnError::raise;  // skip: a corrupt archive ends there, counted once
 };
-// Pipeline<FileBytes> -> Pipeline<TarMember>.
-std::function<Pipeline<TarMember>(Pipeline<FileBytes>&&)> untar(UntarOptions options = {});
+// Pipeline<FileBytes> or Pipeline<std::string> (paths) -> Pipeline<TarMember>.
+struct UntarAdaptor {
+  UntarOptions options;
+  Pipeline<TarMember> operator()(Pipeline<FileBytes>&& upstream) const;
+  Pipeline<TarMember> operator()(Pipeline<std::string>&& upstream) const;
+};
+UntarAdaptor untar(UntarOptions options = {});
 
 // Pipeline<TarMember> -> Pipeline<ShardSample>.
 std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key();

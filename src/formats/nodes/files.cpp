@@ -111,22 +111,26 @@ struct ArchiveFree {
   void operator()(struct archive* a) const noexcept { archive_read_free(a); }
 };
 
-// The members of each archive in turn, one in memory at a time.
-class Untar final : public Stage<FileBytes, TarMember> {
+// The members of each archive in turn, one in memory at a time. An archive
+// comes as bytes (FileBytes, from read_files) or as a path, streamed from
+// its file in blocks: only the member being read is ever in memory.
+template <class Input>
+class Untar final : public Stage<Input, TarMember> {
  public:
-  Untar(NodePtr<FileBytes> upstream, UntarOptions options) : Stage(std::move(upstream)), options_(options) {}
+  Untar(NodePtr<Input> upstream, UntarOptions options) : Stage<Input, TarMember>(std::move(upstream)), options_(options) {}
+  ~Untar() override { close(); }
   std::optional<TarMember> produce() override {
     while (true) {
       try {
         if (!archive_) {
-          std::optional<FileBytes> file = pull();
-          if (!file) return std::nullopt;
-          open(std::move(*file));
+          std::optional<Input> input = this->pull();
+          if (!input) return std::nullopt;
+          open(std::move(*input));
         }
         if (std::optional<TarMember> member = read_member()) return member;
-        archive_.reset();  // at its end: the next archive
+        close();  // at its end: the next archive
       } catch (const DataError&) {
-        archive_.reset();  // a corrupt archive ends here
+        close();  // a corrupt archive ends here
         if (options_.on_error == OnError::raise) throw;
         ++this->meter_.skipped;
       }
@@ -135,19 +139,45 @@ class Untar final : public Stage<FileBytes, TarMember> {
   std::string name() const override { return "untar"; }
 
  protected:
-  void start_pass() override { archive_.reset(); }
+  void start_pass() override { close(); }
 
  private:
+  static constexpr size_t kBlockBytes = 64 * 1024;
+
   void open(FileBytes&& file) {
     current_ = std::move(file);
-    archive_.reset(archive_read_new());
-    if (!archive_ || archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK ||
-        archive_read_open_memory(archive_.get(), current_.bytes.data(), current_.bytes.size()) != ARCHIVE_OK) {
-      const std::string reason = archive_ ? archive_error_string(archive_.get()) ? archive_error_string(archive_.get()) : "?" : "out of memory";
-      archive_.reset();
-      throw DataError("untar: cannot read the archive: " + reason, current_.path);
+    start_reading();
+    if (archive_read_open_memory(archive_.get(), current_.bytes.data(), current_.bytes.size()) != ARCHIVE_OK) {
+      fail_open();
     }
   }
+  void open(std::string&& path) {
+    conveyor::detail::OpenedFile file = conveyor::detail::open_regular_file(path);
+    current_.path = std::move(path);
+    if (!file.problem.empty()) throw DataError(file.problem, current_.path);
+    fd_ = file.fd;
+    start_reading();
+    if (archive_read_open_fd(archive_.get(), fd_, kBlockBytes) != ARCHIVE_OK) fail_open();
+  }
+  void start_reading() {
+    archive_.reset(archive_read_new());
+    if (!archive_ || archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
+      throw DataError("untar: cannot read the archive: out of memory", current_.path);
+    }
+  }
+  [[noreturn]] void fail_open() {
+    const char* reason = archive_error_string(archive_.get());
+    const std::string why = reason ? reason : "?";
+    close();
+    throw DataError("untar: cannot read the archive: " + why, current_.path);
+  }
+  void close() noexcept {
+    archive_.reset();
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    current_.bytes = {};
+  }
+
   std::optional<TarMember> read_member() {
     while (true) {
       struct archive_entry* entry = nullptr;
@@ -177,7 +207,8 @@ class Untar final : public Stage<FileBytes, TarMember> {
   }
 
   UntarOptions options_;
-  FileBytes current_;  // what archive_ reads from
+  FileBytes current_;  // the archive's path, and its bytes when it came as bytes
+  int fd_ = -1;        // the archive's file when it came as a path
   std::unique_ptr<struct archive, ArchiveFree> archive_;
 };
 
@@ -274,11 +305,14 @@ std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFiles
   };
 }
 
-std::function<Pipeline<TarMember>(Pipeline<FileBytes>&&)> untar(UntarOptions options) {
-  return [options](Pipeline<FileBytes>&& upstream) {
-    return Pipeline<TarMember>(std::make_unique<Untar>(std::move(upstream).release(), options));
-  };
+Pipeline<TarMember> UntarAdaptor::operator()(Pipeline<FileBytes>&& upstream) const {
+  return Pipeline<TarMember>(std::make_unique<Untar<FileBytes>>(std::move(upstream).release(), options));
 }
+Pipeline<TarMember> UntarAdaptor::operator()(Pipeline<std::string>&& upstream) const {
+  return Pipeline<TarMember>(std::make_unique<Untar<std::string>>(std::move(upstream).release(), options));
+}
+
+UntarAdaptor untar(UntarOptions options) { return UntarAdaptor{options}; }
 
 std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key() {
   return [](Pipeline<TarMember>&& upstream) {

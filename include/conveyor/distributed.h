@@ -115,6 +115,8 @@ class Group {
   // GLOO_SOCKET_IFNAME when set, else to this host's name (as PyTorch).
   // Throws ValueError for a bad environment or mismatched WORLD_SIZE,
   // DistributedError when the rendezvous fails within `timeout`.
+  // Sets SIGPIPE to SIG_IGN when it is SIG_DFL, as Python does: Gloo's
+  // writes to a dead peer would otherwise kill the process (adopt() too).
   static Group init(GroupOptions options = {});
 
   // Wraps a process group the program already has (a

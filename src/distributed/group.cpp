@@ -5,6 +5,9 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -66,6 +69,20 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& local_
     return c10d::ProcessGroupGloo::createDeviceForHostname(local_host);
   }
   return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// Gloo writes to its sockets with writev, without MSG_NOSIGNAL: a write to a
+// peer that just died raises SIGPIPE, which kills a C++ program before any
+// error can name the peer. Python ignores SIGPIPE at startup, so PyTorch
+// users never meet this; we do the same, unless the program chose a handler.
+void ignore_sigpipe_unless_handled() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigemptyset(&ignore.sa_mask);
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  }
 }
 
 }  // namespace
@@ -221,7 +238,7 @@ Group Group::init(GroupOptions options) {
                      std::to_string(options.timeout.count()) + " ms");
   }
 
-  // Before any c10d socket: see Impl::liveness.
+  ignore_sigpipe_unless_handled();
   std::string local_host;
   try {
     local_host = detail::local_address_towards(env.master_addr);
@@ -276,6 +293,7 @@ Group Group::init(GroupOptions options) {
 
 Group Group::adopt_raw(c10d::ProcessGroup* group, GroupOptions options) {
   if (group == nullptr) throw ValueError("conveyor::distributed: adopt() of a null process group");
+  ignore_sigpipe_unless_handled();
   auto impl = std::make_unique<Impl>();
   impl->group = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(group);
   impl->timeout = options.timeout;

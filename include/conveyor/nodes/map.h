@@ -41,7 +41,7 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
         return f_(std::move(*item));
       } catch (...) {
         if (on_error_ == OnError::raise) conveyor::detail::throw_node_error(name(), this->position());
-        ++this->meter_.skipped;
+        this->meter_.skipped.add(1);
       }
     }
     return std::nullopt;

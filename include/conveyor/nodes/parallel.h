@@ -66,13 +66,20 @@ struct Result {
 
 // How full a window was each time its consumer took an item.
 struct Occupancy {
-  uint64_t takes = 0;
-  uint64_t in_flight_sum = 0;
+  Counter<uint64_t> takes;
+  Counter<uint64_t> in_flight_sum;
   void add(size_t in_flight) noexcept {
-    ++takes;
-    in_flight_sum += in_flight;
+    takes.add(1);
+    in_flight_sum.add(in_flight);
   }
-  double mean() const noexcept { return takes ? static_cast<double>(in_flight_sum) / static_cast<double>(takes) : 0; }
+  void clear() noexcept {
+    takes.clear();
+    in_flight_sum.clear();
+  }
+  double mean() const noexcept {
+    const uint64_t n = takes.get();
+    return n ? static_cast<double>(in_flight_sum.get()) / static_cast<double>(n) : 0;
+  }
 };
 
 template <class F>
@@ -136,12 +143,12 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   void start_pass() override {
     upstream_done_ = false;
     upstream_error_ = nullptr;
-    occupancy_ = {};
-    worker_busy_ns_ = 0;
+    occupancy_.clear();
+    worker_busy_ns_.clear();
   }
   // busy: the workers' time in f, summed; the window's mean occupancy.
   void add_own_metrics(NodeMetrics& metrics) const override {
-    metrics.busy_seconds = static_cast<double>(worker_busy_ns_) * 1e-9;
+    metrics.busy_seconds = static_cast<double>(worker_busy_ns_.get()) * 1e-9;
     metrics.window = static_cast<size_t>(options_.window);
     metrics.mean_in_flight = occupancy_.mean();
   }
@@ -202,11 +209,12 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     occupancy_.add(engine().stats().in_flight);
     detail::Result<Out> result = std::move(results_[ready.slot]);
     results_[ready.slot] = {};
+    inputs_[ready.slot].reset();
     engine().release(ready);
-    worker_busy_ns_ += result.busy_ns;
+    worker_busy_ns_.add(result.busy_ns);
     if (result.error) {
       if (options_.on_error == OnError::skip) {
-        ++this->meter_.skipped;
+        this->meter_.skipped.add(1);
         return false;
       }
       try {
@@ -238,7 +246,8 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     } else {
       apply();
     }
-    inputs_[job.slot].reset();
+    // The input stays: the consumer's thread made it and frees it in take(),
+    // where glibc's per-thread cache takes it back cheaply.
   }
   void clear(uint32_t slot) noexcept override {
     inputs_[slot].reset();
@@ -256,7 +265,7 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   bool upstream_done_ = false;
   std::exception_ptr upstream_error_;
   detail::Occupancy occupancy_;
-  int64_t worker_busy_ns_ = 0;  // timed passes: summed from the results taken
+  detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the engine starts
   std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
 };
@@ -282,9 +291,9 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
     timed_ = pass.timed;
     ended_ = false;
     done_ = false;
-    out_ = 0;
-    occupancy_ = {};
-    strand_wait_ns_ = 0;
+    out_.clear();
+    occupancy_.clear();
+    strand_wait_ns_.clear();
   }
   std::optional<T> next() override {
     std::optional<T> out;
@@ -305,14 +314,14 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   }
   std::string name() const override { return "prefetch(" + std::to_string(depth_) + ")"; }
 
-  // Upstream runs on the strand: its metrics are read once the pass has
-  // ended (or between passes), when the strand no longer advances it.
+  // Upstream runs on the strand: its counts may be a few items behind what
+  // the strand has done by now.
   void collect_metrics(std::vector<NodeMetrics>& metrics) const override {
     upstream_->collect_metrics(metrics);
     NodeMetrics mine;
     mine.name = name();
-    mine.items_in = mine.items_out = out_;
-    mine.upstream_wait_seconds = static_cast<double>(strand_wait_ns_) * 1e-9;
+    mine.items_in = mine.items_out = out_.get();
+    mine.upstream_wait_seconds = static_cast<double>(strand_wait_ns_.get()) * 1e-9;
     mine.window = static_cast<size_t>(depth_);
     mine.mean_in_flight = occupancy_.mean();
     metrics.push_back(std::move(mine));
@@ -336,14 +345,14 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
     detail::Result<T> result = std::move(results_[ready.slot]);
     results_[ready.slot] = {};
     engine().release(ready);
-    strand_wait_ns_ += result.busy_ns;
+    strand_wait_ns_.add(result.busy_ns);
     if (result.error) std::rethrow_exception(result.error);  // upstream's, already named
     if (result.end) {
       done_ = true;
       return false;
     }
     out = std::move(result.value);
-    ++out_;
+    out_.add(1);
     return true;
   }
 
@@ -377,9 +386,9 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   bool ended_ = false;  // the strand's: upstream said it has no more
   bool done_ = false;   // the consumer's: the end was handed out
   bool timed_ = false;  // set by reset, before the strand runs a job of the pass
-  uint64_t out_ = 0;
+  detail::Counter<uint64_t> out_;
   detail::Occupancy occupancy_;
-  int64_t strand_wait_ns_ = 0;  // timed passes: the strand's time in upstream
+  detail::Counter<int64_t> strand_wait_ns_;  // timed passes: the strand's time in upstream
   std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
 };
 

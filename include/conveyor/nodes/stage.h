@@ -2,6 +2,8 @@
 // pass, the reset walk, the position of the item it pulled last.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -15,26 +17,48 @@ namespace conveyor::nodes {
 
 namespace detail {
 
-// A node's counts and, in a timed pass, its clocks. One thread advances a
-// node at a time, so plain integers do.
-struct Meter {
-  bool timed = false;
-  uint64_t in = 0;         // items taken from upstream this pass
-  uint64_t out = 0;        // items handed out this pass
-  uint64_t skipped = 0;    // items dropped under OnError::skip this pass
-  int64_t elapsed_ns = 0;  // in next(), waits included
-  int64_t wait_ns = 0;     // of that, in upstream's next()
+// A metric with one writer (the thread advancing its node) that metrics()
+// may read from another thread mid-pass (a node behind a prefetch runs on
+// the prefetch's strand). Relaxed: the value is only ever read for itself,
+// nothing is published through it; add() is a load and a store, not a
+// read-modify-write, as the writer is alone.
+template <class T>
+class Counter {
+ public:
+  void add(T delta) noexcept { value_.store(value_.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed); }
+  T get() const noexcept { return value_.load(std::memory_order_relaxed); }
+  void clear() noexcept { value_.store(0, std::memory_order_relaxed); }
 
-  void start_pass(bool timed_pass) noexcept { *this = Meter{timed_pass}; }
+ private:
+  std::atomic<T> value_{0};
+};
+
+// A node's counts and, in a timed pass, its clocks.
+struct Meter {
+  bool timed = false;           // written by reset only, while nothing runs the node
+  Counter<uint64_t> in;         // items taken from upstream this pass
+  Counter<uint64_t> out;        // items handed out this pass
+  Counter<uint64_t> skipped;    // items dropped under OnError::skip this pass
+  Counter<int64_t> elapsed_ns;  // in next(), waits included
+  Counter<int64_t> wait_ns;     // of that, in upstream's next()
+
+  void start_pass(bool timed_pass) noexcept {
+    timed = timed_pass;
+    in.clear();
+    out.clear();
+    skipped.clear();
+    elapsed_ns.clear();
+    wait_ns.clear();
+  }
 
   // Adds the time from construction to destruction to `total`, whether the
   // timed call returns or throws.
   struct Clock {
-    int64_t& total;
+    Counter<int64_t>& total;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     ~Clock() {
-      total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                   .count();
+      total.add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                    .count());
     }
   };
 
@@ -43,12 +67,12 @@ struct Meter {
   auto count(F&& produce) {
     if (!timed) {
       auto item = produce();
-      if (item) ++out;
+      if (item) out.add(1);
       return item;
     }
     Clock clock{elapsed_ns};
     auto item = produce();
-    if (item) ++out;
+    if (item) out.add(1);
     return item;
   }
   // Runs `pull` (upstream's next), counting and timing it.
@@ -56,21 +80,22 @@ struct Meter {
   auto wait(F&& pull) {
     if (!timed) {
       auto item = pull();
-      if (item) ++in;
+      if (item) in.add(1);
       return item;
     }
     Clock clock{wait_ns};
     auto item = pull();
-    if (item) ++in;
+    if (item) in.add(1);
     return item;
   }
 
   void fill(NodeMetrics& metrics) const noexcept {
-    metrics.items_in = in;
-    metrics.items_out = out;
-    metrics.skipped = skipped;
-    metrics.busy_seconds = static_cast<double>(elapsed_ns - wait_ns) * 1e-9;
-    metrics.upstream_wait_seconds = static_cast<double>(wait_ns) * 1e-9;
+    metrics.items_in = in.get();
+    metrics.items_out = out.get();
+    metrics.skipped = skipped.get();
+    const int64_t waited = wait_ns.get();
+    metrics.busy_seconds = static_cast<double>(std::max<int64_t>(0, elapsed_ns.get() - waited)) * 1e-9;
+    metrics.upstream_wait_seconds = static_cast<double>(waited) * 1e-9;
   }
 };
 
@@ -94,7 +119,7 @@ class MeteredNode : public Node<Out> {
     out.push_back(std::move(mine));
   }
   // Items dropped under OnError::skip in this pass.
-  uint64_t skipped() const noexcept { return meter_.skipped; }
+  uint64_t skipped() const noexcept { return meter_.skipped.get(); }
 
  protected:
   // The next item, or std::nullopt at the end of the pass.
@@ -110,7 +135,7 @@ class MeteredNode : public Node<Out> {
   }
   // For a node's own try_next: counts what it hands out.
   Poll counted(Poll poll) noexcept {
-    if (poll == Poll::ready) ++meter_.out;
+    if (poll == Poll::ready) meter_.out.add(1);
     return poll;
   }
 

@@ -112,7 +112,7 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
       const Poll poll = node_.upstream_->try_next(out);
       if (poll == Poll::ready) {
         ++node_.position_;
-        ++node_.meter_.in;
+        node_.meter_.in.add(1);
       }
       return poll;
     }

@@ -132,7 +132,7 @@ class Untar final : public Stage<Input, TarMember> {
       } catch (const DataError&) {
         close();  // a corrupt archive ends here
         if (options_.on_error == OnError::raise) throw;
-        ++this->meter_.skipped;
+        this->meter_.skipped.add(1);
       }
     }
   }

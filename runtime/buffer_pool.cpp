@@ -11,7 +11,9 @@
 #include "conveyor/detail/buffer_pool.h"
 
 #include <concurrentqueue.h>
+#include <oneapi/tbb/scalable_allocator.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bit>
@@ -191,6 +193,27 @@ class RecyclingAllocator final : public BufferAllocator {
 };
 
 }  // namespace
+
+namespace {
+
+// oneTBB's scalable allocator: per-thread heaps that take back a block freed
+// by another thread through a lock-free list, so memory made on a worker and
+// freed on the consumer's thread costs no arena lock (glibc's does).
+class ScalableHeap final : public BufferAllocator {
+ public:
+  std::shared_ptr<std::byte> allocate(size_t bytes) override {
+    void* memory = scalable_aligned_malloc(std::max<size_t>(bytes, 1), 64);
+    if (memory == nullptr) throw std::bad_alloc();
+    // The control block from the same heap: it too is freed on another thread.
+    return std::shared_ptr<std::byte>(static_cast<std::byte*>(memory),
+                                      [](std::byte* block) { scalable_aligned_free(block); },
+                                      tbb::scalable_allocator<std::byte>());
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<BufferAllocator> make_scalable_heap() { return std::make_shared<ScalableHeap>(); }
 
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class) {
   return std::make_shared<RecyclingAllocator>(max_free_per_class, nullptr);

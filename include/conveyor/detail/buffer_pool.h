@@ -19,6 +19,11 @@ namespace conveyor::detail {
 // the window's memory and comes from the heap.
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class);
 
+// Plain heap memory from oneTBB's scalable allocator, whose per-thread heaps
+// take back memory freed on another thread without a lock: for what a
+// pipeline's workers make and its consumer frees.
+std::shared_ptr<BufferAllocator> make_scalable_heap();
+
 // The same over page-locked memory from `device`. Each buffer gets a device
 // twin of its capacity on its first transfer, reused with it; a buffer is not
 // handed out again before the device has finished reading it.

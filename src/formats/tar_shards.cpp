@@ -26,12 +26,13 @@
 #include "conveyor/generator.h"
 #include "conveyor/image.h"
 #include "regular_file.h"
+#include "tar_source.h"
 
 namespace conveyor {
 namespace {
 
-constexpr size_t kReadBlockBytes = 64 * 1024;  // what each read callback hands libarchive
-constexpr size_t kTarBlockBytes = 512;
+using detail::kTarBlockBytes;
+using detail::TarSource;
 // Writers stamp every member with this mtime so the same samples always make
 // the same bytes.
 constexpr time_t kFixedMtime = 0;
@@ -61,110 +62,6 @@ using ReadArchive = std::unique_ptr<struct archive, ArchiveReadFree>;
 
 struct ArchiveEntryFree {
   void operator()(struct archive_entry* entry) const noexcept { archive_entry_free(entry); }
-};
-
-// Where a shard's bytes come from: a file read in 64 KiB blocks, or memory.
-// libarchive pulls them through read(). The source remembers how many bytes it
-// handed out and the last 512 of them: libarchive accepts a tar that stops at
-// a member boundary without its end-of-archive blocks, and these tell such a
-// truncated shard from one that ends properly.
-class ShardSource {
- public:
-  explicit ShardSource(std::span<const uint8_t> bytes) : memory_(bytes), size_(bytes.size()) {}
-  ~ShardSource() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ShardSource(const ShardSource&) = delete;
-  ShardSource& operator=(const ShardSource&) = delete;
-
-  // Opens `path` for reading. Returns the reason on failure, "" on success.
-  // Only a regular file is a shard (see open_regular_file): /dev/zero would
-  // read as an empty archive, its zero blocks being tar's end marker.
-  std::string open_file(const std::string& path) {
-    OpenedFile opened = open_regular_file(path);
-    if (opened.problem.starts_with("cannot ")) {
-      return opened.problem.insert(opened.problem.find(':'), " shard");  // "cannot open shard: ..."
-    }
-    if (!opened.problem.empty()) return "cannot read shard: " + opened.problem;
-    fd_ = opened.fd;
-    size_ = opened.size;
-    file_buffer_.resize(kReadBlockBytes);
-    return {};
-  }
-
-  // Nothing may unwind through libarchive's C frames.
-  static la_ssize_t read_callback(struct archive* archive, void* self, const void** block) {
-    try {
-      return static_cast<ShardSource*>(self)->read(archive, block);
-    } catch (...) {
-      archive_set_error(archive, ENOMEM, "out of memory while reading");
-      return ARCHIVE_FATAL;
-    }
-  }
-
-  // An upper bound on any member's size, when the source's size is known.
-  std::optional<uint64_t> size() const { return size_; }
-
-  // True when the stream ended exactly where libarchive stopped consuming
-  // (`consumed` bytes) and its last block is not an end-of-archive block.
-  bool ends_mid_archive(int64_t consumed) const {
-    if (!exhausted_ || delivered_ == 0 || consumed < 0) return false;
-    if (static_cast<uint64_t>(consumed) != delivered_) return false;
-    return std::any_of(tail_.begin(), tail_.begin() + static_cast<std::ptrdiff_t>(tail_size_),
-                       [](uint8_t byte) { return byte != 0; });
-  }
-
- private:
-  la_ssize_t read(struct archive* archive, const void** block) {
-    size_t count = 0;
-    if (fd_ >= 0) {
-      ssize_t got = 0;
-      do {
-        got = ::read(fd_, file_buffer_.data(), file_buffer_.size());
-      } while (got < 0 && errno == EINTR);
-      if (got < 0) {
-        const int error_number = errno;
-        archive_set_error(archive, error_number, "read failed: %s",
-                          os_reason(error_number).c_str());
-        return ARCHIVE_FATAL;
-      }
-      count = static_cast<size_t>(got);
-      *block = file_buffer_.data();
-    } else {
-      count = std::min(kReadBlockBytes, memory_.size() - memory_offset_);
-      *block = memory_.data() + memory_offset_;
-      memory_offset_ += count;
-    }
-    remember(static_cast<const uint8_t*>(*block), count);
-    return static_cast<la_ssize_t>(count);
-  }
-
-  void remember(const uint8_t* bytes, size_t count) {
-    if (count == 0) {
-      exhausted_ = true;
-      return;
-    }
-    delivered_ += count;
-    if (count >= kTarBlockBytes) {
-      std::memcpy(tail_.data(), bytes + count - kTarBlockBytes, kTarBlockBytes);
-      tail_size_ = kTarBlockBytes;
-      return;
-    }
-    const size_t kept = std::min(tail_size_, kTarBlockBytes - count);
-    std::memmove(tail_.data(), tail_.data() + tail_size_ - kept, kept);
-    std::memcpy(tail_.data() + kept, bytes, count);
-    tail_size_ = kept + count;
-  }
-
-  int fd_ = -1;
-  std::vector<uint8_t> file_buffer_;  // files only
-  std::span<const uint8_t> memory_;
-  size_t memory_offset_ = 0;
-  std::optional<uint64_t> size_;
-  uint64_t delivered_ = 0;
-  bool exhausted_ = false;
-  std::array<uint8_t, kTarBlockBytes> tail_{};
-  size_t tail_size_ = 0;
 };
 
 // A regular member whose header is read and whose data is not yet.
@@ -279,7 +176,7 @@ class ShardReader {
     if (archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
       fail("cannot enable tar reading: " + archive_reason(archive_.get()), {}, -1);
     }
-    if (archive_read_open(archive_.get(), &source_, nullptr, &ShardSource::read_callback,
+    if (archive_read_open(archive_.get(), &source_, nullptr, &TarSource::read_callback,
                           nullptr) != ARCHIVE_OK) {
       fail("cannot read shard: " + archive_reason(archive_.get()), {}, -1);
     }
@@ -385,7 +282,7 @@ class ShardReader {
     // more than the file holds (a sparse file holds terabytes of zeros).
     uint64_t hint = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
     hint =
-        std::min<uint64_t>({hint, source_.size().value_or(kReadBlockBytes), sample_bytes_left()});
+        std::min<uint64_t>({hint, source_.size().value_or(detail::kTarReadBlockBytes), sample_bytes_left()});
     bytes.reserve(static_cast<size_t>(hint));
     while (true) {
       const void* block = nullptr;
@@ -428,7 +325,7 @@ class ShardReader {
 
   std::string name_;
   bool from_file_ = false;
-  ShardSource source_{std::span<const uint8_t>()};
+  TarSource source_{std::span<const uint8_t>()};
   std::vector<std::string> required_fields_;
   uint64_t max_sample_bytes_;
   ReadArchive archive_;  // after source_: freed first

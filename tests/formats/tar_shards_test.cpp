@@ -1163,6 +1163,13 @@ conveyor::Pipeline<ShardSample> shard_pipeline(const std::string& directory) {
          nodes::group_by_key();
 }
 
+template <class T>
+size_t one_pass_count(conveyor::Pipeline<T>& pipeline) {
+  size_t count = 0;
+  for (auto& item : pipeline.pass()) count += (static_cast<void>(item), 1);
+  return count;
+}
+
 // untar from the archives' bytes (read_files) or streamed from their paths.
 conveyor::Pipeline<nodes::TarMember> members(const std::string& directory, bool streamed,
                                              nodes::UntarOptions options = {}) {
@@ -1268,6 +1275,39 @@ TEST(TarNodes, ACorruptArchiveIsADataErrorInItsPlaceOrSkippedAndCounted) {
     size_t samples = 0;
     for (auto& sample : skipping.pass()) samples += sample.fields.size() == 2 ? 1 : 0;
     EXPECT_EQ(samples, 6u);
+  }
+}
+
+TEST(TarNodes, AnArchiveCutAtAMemberBoundaryIsNotSilentlyShort) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("c-"), 5, 5);
+  std::vector<uint8_t> bytes = read_bytes(paths[0]);
+  // Ends right after sample 2's last member, without end-of-archive blocks:
+  // libarchive alone takes it for a whole archive.
+  bytes.resize(header_offset(bytes, "000003.bin"));
+  write_bytes(paths[0], bytes);
+  for (bool streamed : {false, true}) {
+    auto raising = members(dir.file(""), streamed);
+    auto pass = raising.pass();
+    std::vector<std::string> events;
+    while (true) {
+      try {
+        auto member = pass.next();
+        if (!member) break;
+        events.push_back(member->name);
+      } catch (const DataError& e) {
+        EXPECT_EQ(e.file(), paths[0]);
+        EXPECT_EQ(e.member(), "000002.cls");
+        EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
+        events.push_back("error");
+      }
+    }
+    EXPECT_EQ(events, (std::vector<std::string>{"000000.bin", "000000.cls", "000001.bin", "000001.cls", "000002.bin",
+                                                "000002.cls", "error"}))
+        << (streamed ? "streamed" : "from bytes");
+    auto skipping = members(dir.file(""), streamed, {.on_error = OnError::skip});
+    EXPECT_EQ(one_pass_count(skipping), 6u);
+    EXPECT_EQ(skipping.metrics().back().skipped, 1u);
   }
 }
 

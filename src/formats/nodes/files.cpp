@@ -15,6 +15,7 @@
 #include "conveyor/image.h"
 #include "conveyor/nodes/stage.h"
 #include "../regular_file.h"
+#include "../tar_source.h"
 
 namespace conveyor::nodes {
 namespace {
@@ -142,39 +143,40 @@ class Untar final : public Stage<Input, TarMember> {
   void start_pass() override { close(); }
 
  private:
-  static constexpr size_t kBlockBytes = 64 * 1024;
-
   void open(FileBytes&& file) {
     current_ = std::move(file);
+    source_ = std::make_unique<conveyor::detail::TarSource>(current_.bytes);
     start_reading();
-    if (archive_read_open_memory(archive_.get(), current_.bytes.data(), current_.bytes.size()) != ARCHIVE_OK) {
-      fail_open();
-    }
   }
   void open(std::string&& path) {
-    conveyor::detail::OpenedFile file = conveyor::detail::open_regular_file(path);
     current_.path = std::move(path);
-    if (!file.problem.empty()) throw DataError(file.problem, current_.path);
-    fd_ = file.fd;
+    source_ = std::make_unique<conveyor::detail::TarSource>(std::span<const uint8_t>());
+    const std::string problem = source_->open_file(current_.path);
+    if (!problem.empty()) {
+      source_.reset();
+      throw DataError("untar: " + problem, current_.path);
+    }
     start_reading();
-    if (archive_read_open_fd(archive_.get(), fd_, kBlockBytes) != ARCHIVE_OK) fail_open();
   }
+  // The archive reads through the source, which tells a tar cut short at a
+  // member boundary (libarchive takes it for a whole one) from a whole tar.
   void start_reading() {
     archive_.reset(archive_read_new());
     if (!archive_ || archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
+      close();
       throw DataError("untar: cannot read the archive: out of memory", current_.path);
     }
-  }
-  [[noreturn]] void fail_open() {
-    const char* reason = archive_error_string(archive_.get());
-    const std::string why = reason ? reason : "?";
-    close();
-    throw DataError("untar: cannot read the archive: " + why, current_.path);
+    if (archive_read_open(archive_.get(), source_.get(), nullptr, &conveyor::detail::TarSource::read_callback,
+                          nullptr) != ARCHIVE_OK) {
+      const char* reason = archive_error_string(archive_.get());
+      const std::string why = reason ? reason : "?";
+      close();
+      throw DataError("untar: cannot read the archive: " + why, current_.path);
+    }
   }
   void close() noexcept {
-    archive_.reset();
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
+    archive_.reset();  // before the source it reads from
+    source_.reset();
     current_.bytes = {};
   }
 
@@ -182,13 +184,20 @@ class Untar final : public Stage<Input, TarMember> {
     while (true) {
       struct archive_entry* entry = nullptr;
       const int status = archive_read_next_header(archive_.get(), &entry);
-      if (status == ARCHIVE_EOF) return std::nullopt;
+      if (status == ARCHIVE_EOF) {
+        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) {
+          throw DataError("untar: truncated tar: the archive stops after a member, without the end-of-archive blocks",
+                          current_.path, last_member_);
+        }
+        return std::nullopt;
+      }
       if (status != ARCHIVE_OK && status != ARCHIVE_WARN) {
         throw DataError(std::string("untar: corrupt tar header: ") + archive_error_string(archive_.get()), current_.path);
       }
       if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) continue;
       const char* path = archive_entry_pathname(entry);
       TarMember member{current_.path, path ? path : "", {}};
+      last_member_ = member.name;
       const int64_t declared = archive_entry_size_is_set(entry) ? archive_entry_size(entry) : 0;
       if (declared < 0 || static_cast<uint64_t>(declared) > options_.max_member_bytes) {
         throw DataError("untar: the member declares " + std::to_string(declared) +
@@ -208,7 +217,8 @@ class Untar final : public Stage<Input, TarMember> {
 
   UntarOptions options_;
   FileBytes current_;  // the archive's path, and its bytes when it came as bytes
-  int fd_ = -1;        // the archive's file when it came as a path
+  std::string last_member_;
+  std::unique_ptr<conveyor::detail::TarSource> source_;  // not movable: archive_ points at it
   std::unique_ptr<struct archive, ArchiveFree> archive_;
 };
 

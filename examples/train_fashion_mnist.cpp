@@ -5,15 +5,25 @@
 //                       [--source idx|shards] [--shards DIR] [--data DIR]
 //                       [--scheduling work_stealing|round_robin] [--threads N]
 //                       [--limit N] [--lr 0.002] [--loader-only] [--pin-memory]
+//                       [--distributed]
 //
 // Prints a progress bar per epoch (samples/s, loss, data stall: the share of
 // the epoch the trainer spent waiting for the loader), test accuracy after
 // each epoch, and a final summary with a fingerprint of the loss curve: the
 // same seed gives the same fingerprint, and under work_stealing the same for
 // any number of workers.
+//
+// --distributed: one rank of a data-parallel job launched by torchrun (or
+// mpirun): each rank reads its shard of the training set, gradients are
+// averaged across ranks after every step, rank 0 prints and evaluates. The
+// fingerprint is then of the job's mean loss per step.
 #include <conveyor/conveyor.h>
 #if CONVEYOR_HAVE_CUDA
 #include <conveyor/cuda.h>
+#endif
+#if CONVEYOR_HAVE_DISTRIBUTED
+#include <conveyor/distributed.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 #include <conveyor/idx.h>
 #include <conveyor/image.h>
@@ -30,7 +40,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "shard_writing.h"
@@ -53,6 +69,7 @@ struct Flags {
   double lr = 2e-3;
   bool loader_only = false;  // time the loader alone: no model, no training
   bool pin_memory = false;   // pinned batches, copied to the device 2 ahead
+  bool distributed = false;  // one rank of a torchrun/mpirun job
 };
 
 [[noreturn]] void usage(const std::string& problem) {
@@ -61,7 +78,7 @@ struct Flags {
                "usage: train_fashion_mnist [--epochs N] [--workers N] [--batch-size N] [--seed N]\n"
                "       [--source idx|shards] [--data DIR] [--shards DIR]\n"
                "       [--scheduling work_stealing|round_robin] [--threads N] [--limit N] [--lr X]\n"
-               "       [--loader-only] [--pin-memory]\n",
+               "       [--loader-only] [--pin-memory] [--distributed]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -86,6 +103,10 @@ Flags parse(int argc, char** argv) {
     }
     if (name == "--pin-memory") {
       flags.pin_memory = true;
+      continue;
+    }
+    if (name == "--distributed") {
+      flags.distributed = true;
       continue;
     }
     if (i + 1 >= argc) usage(name + " needs a value");
@@ -241,6 +262,72 @@ struct Fingerprint {
   }
 };
 
+// This process's place in the job: rank 0 of 1 without --distributed.
+struct Job {
+  int rank = 0;
+  int world = 1;
+  uint64_t seed = 0;  // agreed by every rank
+#if CONVEYOR_HAVE_DISTRIBUTED
+  conveyor::distributed::Group* group = nullptr;
+#endif
+  // Samples this rank reads in the current epoch (after set_epoch), before
+  // --limit; set under --distributed only.
+  std::function<size_t()> local_samples;
+
+  bool distributed() const {
+#if CONVEYOR_HAVE_DISTRIBUTED
+    return group != nullptr;
+#else
+    return false;
+#endif
+  }
+  bool lead() const { return rank == 0; }
+};
+
+#if CONVEYOR_HAVE_DISTRIBUTED
+// Every rank starts from rank 0's weights: one broadcast per tensor, once.
+void broadcast_weights(conveyor::distributed::Group& group, Net& net) {
+  torch::NoGradGuard no_grad;
+  group.run("broadcast of rank 0's weights", [&](c10d::ProcessGroup& pg) {
+    for (const torch::Tensor& t : net->parameters()) {
+      std::vector<at::Tensor> one{t.detach()};
+      pg.broadcast(one)->wait();
+    }
+    for (const torch::Tensor& t : net->buffers()) {
+      std::vector<at::Tensor> one{t.detach()};
+      pg.broadcast(one)->wait();
+    }
+  });
+}
+
+// After backward: every gradient, this rank's loss and batch size in one
+// flat tensor and one allreduce (SUM), instead of one per parameter: one
+// round trip per step, not eight. Gradients and loss come back averaged.
+// Returns {the job's mean loss, the job's samples this step}.
+std::pair<float, size_t> average_gradients(conveyor::distributed::Group& group, Net& net,
+                                           const torch::Tensor& loss, int64_t batch) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> parts;
+  const auto parameters = net->parameters();
+  for (const torch::Tensor& p : parameters) parts.push_back(p.grad().reshape(-1));
+  parts.push_back(loss.detach().reshape(1).to(torch::kFloat));
+  parts.push_back(torch::full({1}, static_cast<float>(batch)));
+  std::vector<at::Tensor> flat{torch::cat(parts)};
+  group.run("gradient allreduce", [&](c10d::ProcessGroup& pg) { pg.allreduce(flat)->wait(); });
+  const float world = static_cast<float>(group.world_size());
+  int64_t offset = 0;
+  for (const torch::Tensor& p : parameters) {
+    torch::Tensor grad = p.grad();
+    const int64_t n = grad.numel();
+    grad.copy_(flat[0].slice(0, offset, offset + n).view_as(grad)).div_(world);
+    offset += n;
+  }
+  const float loss_sum = flat[0][offset].item<float>();
+  const float samples = flat[0][offset + 1].item<float>();
+  return {loss_sum / world, static_cast<size_t>(samples)};
+}
+#endif
+
 template <class Loader>
 double evaluate(Net& net, Loader& loader) {
   torch::NoGradGuard no_grad;
@@ -281,10 +368,13 @@ int time_loader(const Flags& flags, Loader& loader, size_t samples_per_epoch) {
 }
 
 template <class TrainDataset, class TestLoader>
-int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader& test_loader,
+int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> dataset, TestLoader& test_loader,
           size_t samples_per_epoch) {
   torch::manual_seed(flags.seed);
   Net net;
+#if CONVEYOR_HAVE_DISTRIBUTED
+  if (job.distributed()) broadcast_weights(*job.group, net);
+#endif
   torch::optim::Adam optimizer(net->parameters(), torch::optim::AdamOptions(flags.lr));
 
   conveyor::LoaderOptions options{.batch_size = flags.batch_size,
@@ -293,7 +383,17 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
                                   .drop_last = false,
                                   .seed = flags.seed,
                                   .scheduling = flags.scheduling};
-  if constexpr (conveyor::MapStyleDataset<TrainDataset>) options.shuffle = true;
+  if constexpr (conveyor::MapStyleDataset<TrainDataset>) {
+    if (job.distributed()) {
+      // This rank's share, reshuffled each epoch from the agreed seed.
+      options.sampler = std::make_shared<conveyor::DistributedSampler>(dataset->size(), job.world, job.rank,
+                                                                        /*shuffle=*/true, job.seed);
+    } else {
+      options.shuffle = true;
+    }
+  }
+  // Ranks augment their samples from different streams.
+  if (job.distributed()) options.seed = job.seed + static_cast<uint64_t>(job.rank);
   if (flags.pin_memory) {
 #if CONVEYOR_HAVE_CUDA
     // CUDA when there is a GPU, else the host stand-in (with a warning).
@@ -303,7 +403,7 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
 #endif
     options.pin_memory = true;
     options.prefetch_to_device = 2;
-    std::printf("pin_memory: batches collated into pinned memory of %s, copied 2 batches ahead\n",
+    if (job.lead()) std::printf("pin_memory: batches collated into pinned memory of %s, copied 2 batches ahead\n",
                 options.transfer_device->name().c_str());
   }
   conveyor::DataLoader loader(dataset, options);
@@ -319,12 +419,34 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
     const auto start = Clock::now();
     double waited = 0, running_loss = 0;
     size_t done = 0, steps = 0;
+    // --distributed: every rank runs the same number of steps, or the one
+    // with more would wait forever in its last allreduce. A rank with fewer
+    // batches pads by starting its share again, as DistributedSampler pads.
+    size_t agreed_steps = std::numeric_limits<size_t>::max();
+#if CONVEYOR_HAVE_DISTRIBUTED
+    if (job.distributed()) {
+      size_t local = job.local_samples();
+      if (flags.limit > 0) {
+        const size_t world = static_cast<size_t>(job.world);
+        local = std::min(local, (static_cast<size_t>(flags.limit) + world - 1) / world);
+      }
+      const size_t batch = static_cast<size_t>(flags.batch_size);
+      agreed_steps = job.group->agree_batch_count((local + batch - 1) / batch).agreed;
+    }
+#endif
     auto pass = loader.iter();
-    while (true) {
+    while (steps < agreed_steps) {
       const auto asked = Clock::now();
       auto batch = pass.next();
+      if (!batch && job.distributed() && steps > 0) {
+        pass = loader.iter();
+        batch = pass.next();
+      }
       waited += std::chrono::duration<double>(Clock::now() - asked).count();
-      if (!batch) break;
+      if (!batch) {
+        if (job.distributed()) throw conveyor::RuntimeError("rank " + std::to_string(job.rank) + " has no batches to pad with");
+        break;
+      }
       auto& [images, labels] = *batch;
       // LibTorch here is CPU-only: the model reads the (pinned) host batch;
       // a CUDA build would wait on pass.device().ready on its stream instead.
@@ -333,16 +455,23 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
       optimizer.zero_grad();
       torch::Tensor loss = torch::nn::functional::cross_entropy(net->forward(x), y);
       loss.backward();
+      float value = 0;
+      size_t samples = static_cast<size_t>(y.size(0));
+#if CONVEYOR_HAVE_DISTRIBUTED
+      if (job.distributed()) std::tie(value, samples) = average_gradients(*job.group, net, loss, y.size(0));
+#endif
       optimizer.step();
-      const float value = loss.item<float>();
+      if (!job.distributed()) value = loss.item<float>();
       fingerprint.add(value);
       running_loss = steps == 0 ? value : 0.98 * running_loss + 0.02 * value;
       ++steps;
-      done += static_cast<size_t>(y.size(0));
+      done += samples;
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-      progress.update(done, seconds, running_loss, seconds > 0 ? waited / seconds : 0);
-      if (flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
+      if (job.lead()) progress.update(done, seconds, running_loss, seconds > 0 ? waited / seconds : 0);
+      // Under --distributed the agreed step count is the limit.
+      if (!job.distributed() && flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
     }
+    if (!job.lead()) continue;  // rank 0 alone reports and evaluates
     progress.finish();
     std::printf("loader: %s\n", pass.metrics().summary().c_str());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -353,6 +482,7 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
     std::printf("epoch %d/%d: test accuracy %.2f%%, %.0f samples/s, data stall %.1f%%\n", epoch + 1,
                 flags.epochs, 100 * accuracy, static_cast<double>(done) / seconds, 100 * waited / seconds);
   }
+  if (!job.lead()) return 0;
   uint64_t skipped = 0;
   if constexpr (requires { dataset->skipped(); }) skipped = dataset->skipped();
   std::printf(
@@ -366,38 +496,112 @@ int train(const Flags& flags, std::shared_ptr<TrainDataset> dataset, TestLoader&
   return 0;
 }
 
+// Samples in each shard, read once: a rank's count for an epoch is the sum
+// over the shards it reads then, which it must know before the epoch to
+// agree on the step count.
+std::map<std::string, size_t> count_shard_samples(const conveyor::TarShardOptions& options) {
+  std::map<std::string, size_t> counts;
+  for (const std::string& shard : options.shards) {
+    conveyor::TarShardOptions one = options;
+    one.shards = {shard};
+    one.shuffle_shards = false;
+    one.shuffle_buffer = 0;
+    one.num_replicas = 1;
+    one.rank = 0;
+    conveyor::TarShardDataset dataset(one);
+    auto samples = dataset.iter(nullptr);
+    size_t n = 0;
+    while (samples->next()) ++n;
+    counts[shard] = n;
+  }
+  return counts;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Flags flags = parse(argc, argv);
   if (flags.threads > 0) torch::set_num_threads(flags.threads);
+#if !CONVEYOR_HAVE_DISTRIBUTED
+  if (flags.distributed) {
+    std::fprintf(stderr,
+                 "train_fashion_mnist: --distributed needs conveyor::distributed, which this build lacks "
+                 "(it needs LibTorch's c10d and gloo's headers; Debian: libgloo-dev, then reconfigure)\n");
+    return 2;
+  }
+#endif
   try {
+    Job job;
+    job.seed = flags.seed;
+#if CONVEYOR_HAVE_DISTRIBUTED
+    std::optional<conveyor::distributed::Group> group;
+    if (flags.distributed) {
+      // A lost rank fails the job within minutes, not PyTorch's default 30.
+      conveyor::distributed::GroupOptions options;
+      options.timeout = std::chrono::minutes(5);
+      group.emplace(conveyor::distributed::Group::init(options));
+      job.group = &*group;
+      job.rank = group->rank();
+      job.world = group->world_size();
+      // Ranks started with different --seed values are an error, not two jobs.
+      job.seed = group->agree_seed(flags.seed);
+    }
+#endif
     auto test = std::make_shared<conveyor::IdxImageDataset>(
         conveyor::IdxImageDataset::from_directory(flags.data, false));
     auto test_set = conveyor::map(test, plain);
     conveyor::DataLoader test_loader(test_set, {.batch_size = 1000, .num_workers = flags.workers});
-    std::printf("conveyor %s, LibTorch %d threads: Fashion-MNIST from %s, %d workers, batch %lld\n",
-                CONVEYOR_VERSION_STRING, torch::get_num_threads(),
-                flags.source == "idx" ? flags.data.c_str() : flags.shards.c_str(), flags.workers,
-                static_cast<long long>(flags.batch_size));
+    if (job.lead()) {
+      std::printf("conveyor %s, LibTorch %d threads: Fashion-MNIST from %s, %d workers, batch %lld\n",
+                  CONVEYOR_VERSION_STRING, torch::get_num_threads(),
+                  flags.source == "idx" ? flags.data.c_str() : flags.shards.c_str(), flags.workers,
+                  static_cast<long long>(flags.batch_size));
+    }
+    if (job.distributed()) {
+      std::printf("distributed: rank %d of %d, seed %llu, batch %lld per rank; gradients averaged by one "
+                  "flattened allreduce per step\n",
+                  job.rank, job.world, static_cast<unsigned long long>(job.seed),
+                  static_cast<long long>(flags.batch_size));
+    }
     if (flags.source == "idx") {
       auto train_set = std::make_shared<conveyor::IdxImageDataset>(
           conveyor::IdxImageDataset::from_directory(flags.data, true));
       const size_t samples = flags.limit > 0 ? std::min<size_t>(train_set->size(), static_cast<size_t>(flags.limit))
                                              : train_set->size();
-      return train(flags, conveyor::map(train_set, augment), test_loader, samples);
+      if (job.distributed()) {
+        const size_t share = conveyor::DistributedSampler(train_set->size(), job.world, job.rank).size();
+        job.local_samples = [share] { return share; };
+      }
+      return train(flags, job, conveyor::map(train_set, augment), test_loader, samples);
     }
     conveyor::TarShardOptions shard_options;
-    shard_options.shards = ensure_shards(flags.shards, flags.data);
+    // Rank 0 writes the shards once; the others wait for it at the barrier.
+    std::vector<std::string> shard_paths;
+    if (job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
+#if CONVEYOR_HAVE_DISTRIBUTED
+    if (job.distributed()) group->barrier();
+#endif
+    if (!job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
+    shard_options.shards = shard_paths;
     shard_options.shuffle_shards = true;
-    shard_options.seed = flags.seed;
+    shard_options.seed = job.seed;
     shard_options.shuffle_buffer = 2000;
     shard_options.required_fields = {"jpg", "cls"};
+    // Rank r reads shards r, r + R, ... of each epoch's (shared) shard order.
+    shard_options.num_replicas = job.world;
+    shard_options.rank = job.rank;
     auto shards = std::make_shared<conveyor::TarShardDataset>(shard_options);
+    if (job.distributed()) {
+      job.local_samples = [shards, counts = count_shard_samples(shard_options)] {
+        size_t n = 0;
+        for (const std::string& shard : shards->shards_for(nullptr)) n += counts.at(shard);
+        return n;
+      };
+    }
     auto decoded = conveyor::map(shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
                                  conveyor::OnError::skip);
     const size_t samples = flags.limit > 0 ? static_cast<size_t>(flags.limit) : 60000;
-    return train(flags, decoded, test_loader, samples);
+    return train(flags, job, decoded, test_loader, samples);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_fashion_mnist: %s\n", e.what());
     return 1;

@@ -1,0 +1,75 @@
+// conveyor/nodes/http.h: objects over HTTP(S) as a pipeline node (target
+// conveyor::io, built when libcurl is found).
+//
+//   from_vector(expand_shard_pattern("http://host/img-{00000..09999}.jpg"))
+//       | http_get({.max_in_flight = 64}) | map(decode, {.workers = 4}) | batch(64)
+//
+//   http_get(options)   URL -> HttpObject{url, bytes}: GET of each URL, up to
+//                       max_in_flight transfers outstanding on ONE thread (the
+//                       caller's: libcurl's multi interface, no thread parked
+//                       per request), handed out in input order.
+//
+// Contract (as every node, conveyor/node.h):
+// - next() waits (curl_multi_poll) for the next object in input order;
+//   try_next() never waits: it drives the transfers (curl_multi_perform) and
+//   answers Poll::pending while the next-in-order object is not complete.
+//   Upstream is pulled on the calling thread (try_next uses upstream's
+//   try_next).
+// - Memory: at most max_in_flight objects (in transfer or waiting for their
+//   turn), each at most max_bytes whatever its Content-Length claims: a
+//   transfer is aborted as soon as the header or the bytes received exceed it.
+// - Errors: a failed GET is a DataError whose file() is the URL and whose
+//   message names the HTTP status or libcurl's reason, thrown at the item's
+//   place; the pass goes on with the next URL. With OnError::skip it is
+//   dropped and counted (metrics().back().skipped). Errors from upstream
+//   keep their place and are always thrown.
+// - Retries: timeouts, connection failures and resets, and HTTP 5xx are
+//   retried up to `retries` times, after backoff, 2 x backoff, 4 x ... (at
+//   most max_backoff); 4xx and max_bytes are final.
+// - Connections are kept and reused across items and passes (HTTP/1.1
+//   keep-alive, HTTP/2 multiplexing where the server offers it).
+// - A reset (a new pass) abandons the transfers in flight.
+//
+// Thread-safety: one thread advances the node at a time (as every node).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/node.h"
+
+namespace conveyor::nodes {
+
+struct HttpObject {
+  std::string url;
+  std::vector<uint8_t> bytes;  // the response body (2xx)
+};
+
+struct HttpOptions {
+  // Transfers outstanding at once, and the reorder window: objects complete
+  // out of order and wait here for their turn. [1, 65536].
+  int max_in_flight = 16;
+  // Per attempt: to establish the connection, and for the whole transfer
+  // (0: no limit on the whole transfer).
+  std::chrono::milliseconds connect_timeout{10'000};
+  std::chrono::milliseconds total_timeout{300'000};
+  // Retries after the first attempt, for timeouts, connection failures and
+  // resets, and HTTP 5xx. The k-th retry waits min(backoff x 2^(k-1),
+  // max_backoff) without holding the thread.
+  int retries = 3;
+  std::chrono::milliseconds backoff{100};
+  std::chrono::milliseconds max_backoff{10'000};
+  // The most bytes one object may hold; a larger one is a DataError.
+  uint64_t max_bytes = uint64_t{1} << 30;
+  OnError on_error = OnError::raise;
+};
+
+// Pipeline<std::string> (URLs: http:// or https://) -> Pipeline<HttpObject>.
+// Throws ValueError for options out of range.
+std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options = {});
+
+}  // namespace conveyor::nodes

@@ -1,0 +1,480 @@
+// http_get (conveyor/nodes/http.h): GETs on libcurl's multi interface,
+// driven on the thread that advances the node.
+//
+// The window. Items are numbered as they are taken from upstream (seq);
+// item s lives in slot s % max_in_flight from its admission until it is
+// handed out. head_ is the next seq to hand out, tail_ the next to admit:
+// tail_ - head_ <= max_in_flight (admission stops when the ring is full), so
+// a slot is never reused while it holds an item, and memory is bounded by
+// max_in_flight objects of at most max_bytes each. Order is restored in this
+// one place: only the slot at head_ is ever handed out.
+//
+// A slot's states: idle -> running (in the multi handle) -> done (bytes or
+// an error), or running -> waiting (a retry's backoff) -> running. Every
+// field of the node and of its slots is owned by the thread advancing the
+// node; libcurl calls write_body only from inside curl_multi_perform on that
+// same thread.
+#include "conveyor/nodes/http.h"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "conveyor/nodes/stage.h"
+
+namespace conveyor::nodes {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// curl_global_init once per process, before the first handle (libcurl asks
+// for it to be called before any other thread uses libcurl; a magic static
+// makes concurrent first calls wait for the one that runs it).
+void init_curl() {
+  static const CURLcode code = curl_global_init(CURL_GLOBAL_DEFAULT);
+  if (code != CURLE_OK) throw Error(std::string("http_get: curl_global_init failed: ") + curl_easy_strerror(code));
+}
+
+// Transient failures: the next attempt may well succeed.
+bool retryable(CURLcode code) noexcept {
+  switch (code) {
+    case CURLE_OPERATION_TIMEDOUT:  // connect or total timeout
+    case CURLE_COULDNT_CONNECT:     // refused: a server restarting
+    case CURLE_RECV_ERROR:          // connection reset
+    case CURLE_SEND_ERROR:
+    case CURLE_GOT_NOTHING:         // closed without a response
+    case CURLE_PARTIAL_FILE:        // closed mid-body
+    case CURLE_SSL_CONNECT_ERROR:   // reset during the handshake
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM:
+      return true;
+    default:
+      return false;
+  }
+}
+
+struct Transfer {
+  enum class State { idle, running, waiting, done };
+  State state = State::idle;
+  CURL* easy = nullptr;  // created at the slot's first use, reused by every item after
+  std::string url;
+  int attempts = 0;
+  SteadyClock::time_point retry_at;
+  std::vector<uint8_t> body;
+  uint64_t max_bytes = 0;
+  bool too_big = false;      // write_body refused more bytes than max_bytes
+  int64_t declared = -1;     // a 2xx response's Content-Length when over max_bytes (read_header)
+  std::exception_ptr error;  // done with an error
+  bool own_error = false;    // this node's (skippable), not upstream's
+  char error_text[CURL_ERROR_SIZE] = {};
+};
+
+// CURLOPT_WRITEFUNCTION. Keeps a 2xx body up to max_bytes; a longer one
+// aborts the transfer (returning less than given is CURLE_WRITE_ERROR). The
+// body of an error status is not kept: only its status is reported.
+size_t write_body(char* data, size_t size, size_t count, void* user) {
+  Transfer& transfer = *static_cast<Transfer*>(user);
+  const size_t bytes = size * count;
+  long status = 0;
+  curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
+  if (status >= 300) return bytes;
+  if (bytes > transfer.max_bytes - transfer.body.size()) {  // body.size() <= max_bytes always
+    transfer.too_big = true;
+    return 0;
+  }
+  if (transfer.body.empty()) {
+    curl_off_t declared = -1;  // -1: no Content-Length
+    curl_easy_getinfo(transfer.easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &declared);
+    if (declared > 0 && static_cast<uint64_t>(declared) <= transfer.max_bytes) {
+      transfer.body.reserve(static_cast<size_t>(declared));
+    }
+  }
+  transfer.body.insert(transfer.body.end(), data, data + bytes);
+  return bytes;
+}
+
+// CURLOPT_HEADERFUNCTION. A 2xx response whose Content-Length exceeds
+// max_bytes stops here, before its body (libcurl's CURLOPT_MAXFILESIZE
+// would too, without saying the length).
+size_t read_header(char* data, size_t size, size_t count, void* user) {
+  Transfer& transfer = *static_cast<Transfer*>(user);
+  const size_t bytes = size * count;
+  constexpr std::string_view kName = "content-length:";
+  if (bytes <= kName.size()) return bytes;
+  for (size_t i = 0; i < kName.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(data[i])) != kName[i]) return bytes;
+  }
+  long status = 0;
+  curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
+  if (status < 200 || status >= 300) return bytes;
+  uint64_t length = 0;
+  size_t i = kName.size();
+  while (i < bytes && (data[i] == ' ' || data[i] == '\t')) ++i;
+  bool digits = false;
+  for (; i < bytes && data[i] >= '0' && data[i] <= '9'; ++i) {
+    digits = true;
+    if (length > (std::numeric_limits<uint64_t>::max() - 9) / 10) return bytes;  // absurd: libcurl refuses it
+    length = length * 10 + static_cast<uint64_t>(data[i] - '0');
+  }
+  if (digits && length > transfer.max_bytes) {
+    transfer.declared = static_cast<int64_t>(std::min<uint64_t>(length, std::numeric_limits<int64_t>::max()));
+    return 0;  // CURLE_WRITE_ERROR
+  }
+  return bytes;
+}
+
+class HttpGet final : public Stage<std::string, HttpObject> {
+ public:
+  HttpGet(NodePtr<std::string> upstream, HttpOptions options)
+      : Stage(std::move(upstream)),
+        options_(options),
+        capacity_(static_cast<uint64_t>(options.max_in_flight)),
+        slots_(std::make_unique<Transfer[]>(static_cast<size_t>(options.max_in_flight))) {}
+
+  ~HttpGet() override {
+    abandon();
+    for (uint64_t i = 0; i < capacity_; ++i) {
+      if (slots_[i].easy) curl_easy_cleanup(slots_[i].easy);
+    }
+    if (multi_) curl_multi_cleanup(multi_);
+  }
+
+  std::optional<HttpObject> produce() override {
+    std::optional<HttpObject> out;
+    while (true) {
+      fill(/*blocking=*/true);
+      if (head_ == tail_) return std::nullopt;
+      if (slot(head_).state == Transfer::State::done) {
+        if (take(out)) return out;
+        continue;  // skipped
+      }
+      drive(/*wait=*/true);
+    }
+  }
+
+  Poll try_next(std::optional<HttpObject>& out) override { return counted(poll(out)); }
+
+  std::string name() const override { return "http_get(max_in_flight=" + std::to_string(capacity_) + ")"; }
+
+ protected:
+  void stop_pass() override { abandon(); }
+  void start_pass() override {
+    upstream_done_ = false;
+    takes_.clear();
+    in_flight_sum_.clear();
+  }
+  void add_own_metrics(NodeMetrics& metrics) const override {
+    metrics.window = static_cast<size_t>(capacity_);
+    const uint64_t takes = takes_.get();
+    metrics.mean_in_flight = takes ? static_cast<double>(in_flight_sum_.get()) / static_cast<double>(takes) : 0;
+  }
+
+ private:
+  Transfer& slot(uint64_t seq) noexcept { return slots_[seq % capacity_]; }
+
+  Poll poll(std::optional<HttpObject>& out) {
+    while (true) {
+      fill(/*blocking=*/false);
+      if (head_ == tail_) return upstream_done_ ? Poll::end : Poll::pending;
+      if (slot(head_).state != Transfer::State::done) {
+        drive(/*wait=*/false);
+        if (slot(head_).state != Transfer::State::done) return Poll::pending;
+      }
+      if (take(out)) return Poll::ready;
+    }
+  }
+
+  // Admits upstream items until the window is full or upstream has none
+  // (now, when not blocking). An upstream error takes a slot of its own, so
+  // that it is thrown at its place.
+  void fill(bool blocking) {
+    while (!upstream_done_ && tail_ - head_ < capacity_) {
+      std::optional<std::string> url;
+      try {
+        if (blocking) {
+          url = pull();
+        } else {
+          const Poll poll = upstream_->try_next(url);
+          if (poll == Poll::pending) return;
+          if (poll == Poll::ready) {
+            meter_.in.add(1);
+            ++position_;
+          }
+        }
+      } catch (...) {
+        Transfer& transfer = slot(tail_++);
+        transfer.state = Transfer::State::done;
+        transfer.error = std::current_exception();
+        transfer.own_error = false;
+        continue;
+      }
+      if (!url) {
+        upstream_done_ = true;
+        return;
+      }
+      admit(std::move(*url));
+    }
+  }
+
+  void admit(std::string url) {
+    Transfer& transfer = slot(tail_++);
+    transfer.url = std::move(url);
+    transfer.attempts = 0;
+    transfer.error = nullptr;
+    transfer.own_error = true;
+    try {
+      if (!transfer.easy) configure(transfer);
+      if (curl_easy_setopt(transfer.easy, CURLOPT_URL, transfer.url.c_str()) != CURLE_OK) {
+        throw DataError("http_get: libcurl refused the URL", transfer.url);
+      }
+      start(transfer);
+    } catch (...) {
+      transfer.state = Transfer::State::done;
+      transfer.error = std::current_exception();
+    }
+  }
+
+  // The options every item of the slot shares.
+  void configure(Transfer& transfer) {
+    CURL* easy = curl_easy_init();
+    if (!easy) throw DataError("http_get: curl_easy_init failed (out of memory)", transfer.url);
+    transfer.easy = easy;
+    transfer.max_bytes = options_.max_bytes;
+    const auto max_file = static_cast<curl_off_t>(
+        std::min<uint64_t>(options_.max_bytes, static_cast<uint64_t>(std::numeric_limits<curl_off_t>::max())));
+    bool ok = curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &write_body) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_HEADERFUNCTION, &read_header) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_PRIVATE, &transfer) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error_text) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.connect_timeout.count())) ==
+                  CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.total_timeout.count())) ==
+                  CURLE_OK &&
+              // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
+              curl_easy_setopt(easy, CURLOPT_MAXFILESIZE_LARGE, max_file) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_USERAGENT, "conveyor-http_get") == CURLE_OK;
+#if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
+    ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS_STR, "http,https") == CURLE_OK &&
+         curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS_STR, "http,https") == CURLE_OK;
+#else
+    ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
+                   CURLE_OK &&
+         curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
+             CURLE_OK;
+#endif
+    if (!ok) throw DataError("http_get: libcurl refused an option (out of memory?)", transfer.url);
+  }
+
+  // One attempt: into the multi handle; curl_multi_perform starts it.
+  void start(Transfer& transfer) {
+    transfer.body.clear();
+    transfer.too_big = false;
+    transfer.declared = -1;
+    transfer.error_text[0] = '\0';
+    ++transfer.attempts;
+    const CURLMcode code = curl_multi_add_handle(multi(), transfer.easy);
+    if (code != CURLM_OK) {
+      throw DataError(std::string("http_get: curl_multi_add_handle: ") + curl_multi_strerror(code), transfer.url);
+    }
+    transfer.state = Transfer::State::running;
+  }
+
+  CURLM* multi() {
+    if (!multi_) {  // lazily: nothing is opened before the first pass asks
+      init_curl();
+      multi_ = curl_multi_init();
+      if (!multi_) throw Error("http_get: curl_multi_init failed (out of memory)");
+      // The connection cache: one per transfer in flight, kept across items and passes.
+      curl_multi_setopt(multi_, CURLMOPT_MAXCONNECTS, static_cast<long>(capacity_));
+    }
+    return multi_;
+  }
+
+  // Starts retries that are due, advances every transfer without waiting,
+  // collects the finished ones; with `wait`, then waits (curl_multi_poll) for
+  // activity, curl's next timeout or the next retry, whichever comes first.
+  void drive(bool wait) {
+    if (waiting_ > 0) start_due_retries();
+    int running = 0;
+    const CURLMcode code = curl_multi_perform(multi(), &running);
+    if (code != CURLM_OK) throw Error(std::string("http_get: curl_multi_perform: ") + curl_multi_strerror(code));
+    harvest();
+    if (!wait || slot(head_).state == Transfer::State::done) return;
+    int timeout_ms = 1000;
+    if (waiting_ > 0) {
+      const auto now = SteadyClock::now();
+      for (uint64_t seq = head_; seq != tail_; ++seq) {
+        const Transfer& transfer = slot(seq);
+        if (transfer.state != Transfer::State::waiting) continue;
+        const auto until = std::chrono::ceil<std::chrono::milliseconds>(transfer.retry_at - now).count();
+        timeout_ms = std::min<int>(timeout_ms, static_cast<int>(std::max<int64_t>(0, until)));
+      }
+    }
+    if (timeout_ms > 0) curl_multi_poll(multi_, nullptr, 0, timeout_ms, nullptr);
+  }
+
+  void start_due_retries() {
+    const auto now = SteadyClock::now();
+    for (uint64_t seq = head_; seq != tail_; ++seq) {
+      Transfer& transfer = slot(seq);
+      if (transfer.state != Transfer::State::waiting || transfer.retry_at > now) continue;
+      --waiting_;
+      try {
+        start(transfer);
+      } catch (...) {
+        transfer.state = Transfer::State::done;
+        transfer.error = std::current_exception();
+      }
+    }
+  }
+
+  void harvest() {
+    int left = 0;
+    while (CURLMsg* message = curl_multi_info_read(multi_, &left)) {
+      if (message->msg != CURLMSG_DONE) continue;
+      char* pointer = nullptr;  // CURLOPT_PRIVATE: the slot
+      curl_easy_getinfo(message->easy_handle, CURLINFO_PRIVATE, &pointer);
+      Transfer* transfer = reinterpret_cast<Transfer*>(pointer);
+      const CURLcode result = message->data.result;  // read before the handle is removed
+      curl_multi_remove_handle(multi_, message->easy_handle);
+      finish(*transfer, result);
+    }
+  }
+
+  // An attempt ended: the object, a retry after backoff, or the error.
+  void finish(Transfer& transfer, CURLcode result) {
+    long status = 0;
+    curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
+    std::string why;
+    bool retry = false;
+    if (result == CURLE_OK && status >= 200 && status < 300) {
+      transfer.state = Transfer::State::done;
+      return;
+    }
+    if (result == CURLE_OK) {
+      why = "HTTP " + std::to_string(status);
+      retry = status >= 500;
+    } else if (transfer.too_big) {
+      why = "the object holds more than http_get's max_bytes " + std::to_string(options_.max_bytes) +
+            ": the transfer was stopped after " + std::to_string(transfer.body.size()) + " bytes";
+    } else if (transfer.declared >= 0) {
+      why = "the server declares " + std::to_string(transfer.declared) +
+            " bytes (Content-Length), more than http_get's max_bytes " + std::to_string(options_.max_bytes);
+    } else if (result == CURLE_FILESIZE_EXCEEDED) {
+      why = "the server declares more bytes (Content-Length) than http_get's max_bytes " +
+            std::to_string(options_.max_bytes);
+    } else {
+      why = curl_easy_strerror(result);
+      if (transfer.error_text[0] != '\0') why += std::string(" (") + transfer.error_text + ")";
+      if (status != 0) why += ", HTTP " + std::to_string(status);
+      retry = retryable(result);
+    }
+    transfer.body = {};
+    if (retry && transfer.attempts <= options_.retries) {
+      transfer.state = Transfer::State::waiting;
+      transfer.retry_at = SteadyClock::now() + backoff(transfer.attempts);
+      ++waiting_;
+      return;
+    }
+    if (transfer.attempts > 1) why += " (after " + std::to_string(transfer.attempts) + " attempts)";
+    transfer.error = std::make_exception_ptr(DataError("http_get: " + why, transfer.url));
+    transfer.state = Transfer::State::done;
+  }
+
+  // Before retry k (k = 1, 2, ...): min(backoff x 2^(k-1), max_backoff),
+  // doubled in integers (no pow), saturating.
+  std::chrono::milliseconds backoff(int retry) const noexcept {
+    std::chrono::milliseconds wait = options_.backoff;
+    for (int k = 1; k < retry && wait < options_.max_backoff; ++k) wait *= 2;
+    return std::min(wait, options_.max_backoff);
+  }
+
+  // Hands out the item at head_ (done). False when it was skipped.
+  bool take(std::optional<HttpObject>& out) {
+    takes_.add(1);
+    in_flight_sum_.add(tail_ - head_);
+    Transfer& transfer = slot(head_++);
+    transfer.state = Transfer::State::idle;
+    if (std::exception_ptr error = std::exchange(transfer.error, nullptr)) {
+      transfer.body = {};
+      if (transfer.own_error && options_.on_error == OnError::skip) {
+        meter_.skipped.add(1);
+        return false;
+      }
+      std::rethrow_exception(error);
+    }
+    out.emplace(HttpObject{std::exchange(transfer.url, {}), std::exchange(transfer.body, {})});
+    return true;
+  }
+
+  // Drops every item in the window, stopping its transfer (its connection
+  // is closed, the others stay cached for the next pass).
+  void abandon() noexcept {
+    for (uint64_t seq = head_; seq != tail_; ++seq) {
+      Transfer& transfer = slot(seq);
+      if (transfer.state == Transfer::State::running) curl_multi_remove_handle(multi_, transfer.easy);
+      transfer.state = Transfer::State::idle;
+      transfer.error = nullptr;
+      transfer.body = {};
+    }
+    head_ = tail_ = 0;
+    waiting_ = 0;
+  }
+
+  HttpOptions options_;
+  uint64_t capacity_;                  // options_.max_in_flight: the window
+  std::unique_ptr<Transfer[]> slots_;  // never moves: libcurl holds pointers into it
+  CURLM* multi_ = nullptr;
+  uint64_t head_ = 0;     // the next seq to hand out
+  uint64_t tail_ = 0;     // the next seq to admit; tail_ - head_ <= capacity_
+  uint64_t waiting_ = 0;  // slots in State::waiting
+  bool upstream_done_ = false;
+  detail::Counter<uint64_t> takes_;          // metrics: items handed out (or skipped)
+  detail::Counter<uint64_t> in_flight_sum_;  // the window's fill at each take, summed
+};
+
+void validate(const HttpOptions& options) {
+  auto fail = [](const std::string& what) { throw ValueError("http_get: " + what); };
+  if (options.max_in_flight < 1 || options.max_in_flight > 65536) {
+    fail("max_in_flight should be in [1, 65536], but got " + std::to_string(options.max_in_flight));
+  }
+  if (options.retries < 0 || options.retries > 100) {
+    fail("retries should be in [0, 100], but got " + std::to_string(options.retries));
+  }
+  constexpr int64_t kMaxMs = std::numeric_limits<int32_t>::max();  // what a long holds everywhere
+  auto check_ms = [&](const char* name, std::chrono::milliseconds value, bool zero_ok) {
+    if (value.count() < (zero_ok ? 0 : 1) || value.count() > kMaxMs) {
+      fail(std::string(name) + " should be in [" + (zero_ok ? "0" : "1") + ", " + std::to_string(kMaxMs) +
+           "] ms, but got " + std::to_string(value.count()));
+    }
+  };
+  check_ms("connect_timeout", options.connect_timeout, false);
+  check_ms("total_timeout", options.total_timeout, true);
+  check_ms("backoff", options.backoff, true);
+  check_ms("max_backoff", options.max_backoff, true);
+  if (options.max_bytes == 0) fail("max_bytes should be at least 1");
+}
+
+}  // namespace
+
+std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options) {
+  validate(options);
+  return [options](Pipeline<std::string>&& upstream) {
+    return Pipeline<HttpObject>(std::make_unique<HttpGet>(std::move(upstream).release(), options));
+  };
+}
+
+}  // namespace conveyor::nodes

@@ -1,0 +1,308 @@
+// http_get against a real nginx on loopback (nginx_server.h).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/nodes/http.h"
+#include "conveyor/nodes/sources.h"
+#include "nginx_server.h"
+#ifdef CONVEYOR_IO_TEST_FORMATS
+#include "conveyor/tar_shards.h"
+#endif
+
+namespace conveyor::nodes {
+namespace {
+
+using conveyor::test::NginxServer;
+using std::chrono::milliseconds;
+
+constexpr int kObjects = 200;
+
+// Object i's bytes: a size from 0 to ~96 KiB, filled from an LCG seeded by i.
+std::string object_bytes(int i) {
+  const size_t size = (static_cast<size_t>(i) * 7919u) % (96u << 10);
+  std::string bytes(size, '\0');
+  uint32_t state = 2654435761u * static_cast<uint32_t>(i + 1);
+  for (char& byte : bytes) {
+    state = state * 1664525u + 1013904223u;
+    byte = static_cast<char>(state >> 24);
+  }
+  return bytes;
+}
+
+std::string object_path(int i) {
+  std::string name = std::to_string(i);
+  return "/obj/" + std::string(5 - name.size(), '0') + name + ".bin";
+}
+
+// One nginx for the suite (the stopped-server test starts its own).
+class HttpGetTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (NginxServer::binary().empty()) return;
+    server_ = std::make_unique<NginxServer>();
+    for (int i = 0; i < kObjects; ++i) server_->write_file(object_path(i).substr(1), object_bytes(i));
+    const std::string big(1 << 20, 'b');
+    server_->write_file("big.bin", big);
+    server_->write_file("slow/big.bin", big);
+    server_->write_file("chunked/big.bin", big);
+    server_->start();
+  }
+  static void TearDownTestSuite() { server_.reset(); }
+  void SetUp() override {
+    if (!server_) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";
+  }
+
+  static std::vector<std::string> object_urls() {
+    std::vector<std::string> urls;
+    for (int i = 0; i < kObjects; ++i) urls.push_back(server_->url(object_path(i)));
+    return urls;
+  }
+
+  static std::unique_ptr<NginxServer> server_;
+};
+std::unique_ptr<NginxServer> HttpGetTest::server_;
+
+// The DataError a next() throws, or a failure.
+template <class P>
+DataError next_error(P& pass) {
+  try {
+    auto item = pass.next();
+    ADD_FAILURE() << "expected a DataError, got " << (item ? "an object" : "the end");
+  } catch (const DataError& error) {
+    return error;
+  }
+  return DataError("none", "");
+}
+
+TEST_F(HttpGetTest, AnyWindowGivesTheSameBytesInInputOrder) {
+  for (int window : {1, 8, 64}) {
+    auto pipeline = from_vector(object_urls()) | http_get({.max_in_flight = window});
+    for (int pass_number = 0; pass_number < 2; ++pass_number) {  // the second on kept connections
+      int i = 0;
+      for (HttpObject& object : pipeline.pass()) {
+        ASSERT_LT(i, kObjects);
+        EXPECT_EQ(object.url, server_->url(object_path(i))) << "window " << window;
+        ASSERT_EQ(std::string(object.bytes.begin(), object.bytes.end()), object_bytes(i))
+            << "window " << window << ", object " << i;
+        ++i;
+      }
+      EXPECT_EQ(i, kObjects) << "window " << window;
+      const NodeMetrics metrics = pipeline.metrics().back();
+      EXPECT_EQ(metrics.items_in, uint64_t{kObjects});
+      EXPECT_EQ(metrics.items_out, uint64_t{kObjects});
+      EXPECT_EQ(metrics.window, static_cast<size_t>(window));
+      EXPECT_LE(metrics.mean_in_flight, window);
+    }
+  }
+}
+
+TEST_F(HttpGetTest, TryNextGivesTheSameItemsAndCountsThem) {
+  auto pipeline = from_vector(object_urls()) | http_get({.max_in_flight = 32});
+  auto pass = pipeline.pass();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  int i = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::optional<HttpObject> object;
+    const Poll poll = pass.try_next(object);
+    if (poll == Poll::end) break;
+    if (poll == Poll::pending) continue;  // a caller with other work would do it here
+    ASSERT_EQ(std::string(object->bytes.begin(), object->bytes.end()), object_bytes(i)) << "object " << i;
+    ++i;
+  }
+  EXPECT_EQ(i, kObjects);
+  EXPECT_EQ(pipeline.metrics().back().items_out, uint64_t{kObjects});
+}
+
+TEST_F(HttpGetTest, TryNextDoesNotWaitForASlowObject) {
+  auto pipeline = from_vector(std::vector<std::string>{server_->url("/slow/big.bin")}) |
+                  http_get({.total_timeout = milliseconds(300), .retries = 0});
+  auto pass = pipeline.pass();
+  std::optional<HttpObject> object;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(pass.try_next(object), Poll::pending);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(200));
+  const DataError error = next_error(pass);  // next() waits: for the timeout
+  EXPECT_EQ(error.file(), server_->url("/slow/big.bin"));
+}
+
+TEST_F(HttpGetTest, NotFoundIsADataErrorAtItsPlaceAndThePassGoesOn) {
+  const std::string missing = server_->url("/obj/missing.bin");
+  auto pipeline = from_vector(std::vector<std::string>{server_->url(object_path(1)), missing,
+                                                       server_->url(object_path(2))}) |
+                  http_get({.max_in_flight = 8});
+  auto pass = pipeline.pass();
+  auto first = pass.next();
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->url, server_->url(object_path(1)));
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), missing);
+  EXPECT_NE(std::string(error.what()).find("HTTP 404"), std::string::npos) << error.what();
+  EXPECT_NE(std::string(error.what()).find(missing), std::string::npos) << error.what();
+  auto third = pass.next();
+  ASSERT_TRUE(third);
+  EXPECT_EQ(std::string(third->bytes.begin(), third->bytes.end()), object_bytes(2));
+  EXPECT_FALSE(pass.next());
+}
+
+TEST_F(HttpGetTest, ServerErrorIsRetriedThenReported) {
+  const std::string path = "/error500/a";
+  auto pipeline = from_vector(std::vector<std::string>{server_->url(path)}) |
+                  http_get({.retries = 2, .backoff = milliseconds(5)});
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), server_->url(path));
+  EXPECT_NE(std::string(error.what()).find("HTTP 500 (after 3 attempts)"), std::string::npos) << error.what();
+  // Any request after the last attempt's answer: its log line is written by then.
+  auto sentinel = from_vector(std::vector<std::string>{server_->url(object_path(0))}) | http_get();
+  for ([[maybe_unused]] auto& object : sentinel.pass()) {
+  }
+  EXPECT_EQ(server_->requests_logged(path), 3);
+}
+
+TEST_F(HttpGetTest, ClosedConnectionIsRetriedThenReported) {
+  const std::string path = "/reset/a";  // nginx's 444: closes without answering
+  auto pipeline = from_vector(std::vector<std::string>{server_->url(path)}) |
+                  http_get({.retries = 1, .backoff = milliseconds(5)});
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), server_->url(path));
+  EXPECT_NE(std::string(error.what()).find("(after 2 attempts)"), std::string::npos) << error.what();
+}
+
+TEST_F(HttpGetTest, ClientErrorIsNotRetried) {
+  const std::string path = "/obj/not-there-either.bin";
+  auto pipeline = from_vector(std::vector<std::string>{server_->url(path)}) | http_get({.retries = 3});
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(std::string(error.what()).find("attempts"), std::string::npos) << error.what();
+  auto sentinel = from_vector(std::vector<std::string>{server_->url(object_path(0))}) | http_get();
+  for ([[maybe_unused]] auto& object : sentinel.pass()) {
+  }
+  EXPECT_EQ(server_->requests_logged(path), 1);
+}
+
+TEST_F(HttpGetTest, DeclaredLengthOverMaxBytesIsADataError) {
+  auto pipeline = from_vector(std::vector<std::string>{server_->url("/big.bin"), server_->url(object_path(0))}) |
+                  http_get({.max_bytes = 1000});
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), server_->url("/big.bin"));
+  EXPECT_NE(std::string(error.what()).find("declares 1048576 bytes"), std::string::npos) << error.what();
+  auto next = pass.next();  // the pass goes on
+  ASSERT_TRUE(next);
+  EXPECT_EQ(next->url, server_->url(object_path(0)));  // 0 bytes
+}
+
+TEST_F(HttpGetTest, BytesOverMaxBytesWithoutALengthStopTheTransfer) {
+  // sub_filter drops Content-Length: only the bytes received can tell.
+  auto pipeline = from_vector(std::vector<std::string>{server_->url("/chunked/big.bin")}) |
+                  http_get({.max_bytes = 1000});
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), server_->url("/chunked/big.bin"));
+  const std::string what = error.what();
+  EXPECT_NE(what.find("more than http_get's max_bytes 1000: the transfer was stopped after "), std::string::npos)
+      << what;
+}
+
+TEST_F(HttpGetTest, ThrottledObjectTimesOutNamingTheUrl) {
+  const std::string url = server_->url("/slow/big.bin");  // 1 MiB at 1 KiB/s
+  auto pipeline =
+      from_vector(std::vector<std::string>{url}) | http_get({.total_timeout = milliseconds(250), .retries = 1,
+                                                             .backoff = milliseconds(5)});
+  auto pass = pipeline.pass();
+  const auto start = std::chrono::steady_clock::now();
+  const DataError error = next_error(pass);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(error.file(), url);
+  const std::string what = error.what();
+  EXPECT_NE(what.find("Timeout was reached"), std::string::npos) << what;
+  EXPECT_NE(what.find("(after 2 attempts)"), std::string::npos) << what;
+}
+
+TEST_F(HttpGetTest, SkipDropsFailuresAndCountsThem) {
+  std::vector<std::string> urls = {server_->url(object_path(4)), server_->url("/obj/gone-1"),
+                                   server_->url("/error500/b"), server_->url(object_path(5))};
+  auto pipeline = from_vector(urls) | http_get({.retries = 0, .on_error = OnError::skip});
+  std::vector<std::string> got;
+  for (HttpObject& object : pipeline.pass()) got.push_back(object.url);
+  EXPECT_EQ(got, (std::vector<std::string>{urls[0], urls[3]}));
+  EXPECT_EQ(pipeline.metrics().back().skipped, 2u);
+  EXPECT_EQ(pipeline.metrics().back().items_out, 2u);
+}
+
+TEST_F(HttpGetTest, ABadUrlIsADataErrorNamingIt) {
+  auto pipeline = from_vector(std::vector<std::string>{"ftp://127.0.0.1/x", server_->url(object_path(6))}) |
+                  http_get();
+  auto pass = pipeline.pass();
+  const DataError error = next_error(pass);
+  EXPECT_EQ(error.file(), "ftp://127.0.0.1/x");
+  auto next = pass.next();
+  ASSERT_TRUE(next);
+  EXPECT_EQ(std::string(next->bytes.begin(), next->bytes.end()), object_bytes(6));
+}
+
+TEST(HttpGetOptions, OutOfRangeIsAValueError) {
+  EXPECT_THROW(http_get({.max_in_flight = 0}), ValueError);
+  EXPECT_THROW(http_get({.retries = -1}), ValueError);
+  EXPECT_THROW(http_get({.connect_timeout = milliseconds(0)}), ValueError);
+  EXPECT_THROW(http_get({.max_bytes = 0}), ValueError);
+}
+
+// The server stopped mid-pass: every object is either whole or a DataError
+// naming its URL, in its place; none lost or duplicated; no hang.
+TEST(HttpGetServerStopped, MidPassGivesErrorsNotHangs) {
+  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  NginxServer server;
+  std::vector<std::string> urls;
+  for (int i = 0; i < kObjects; ++i) {
+    server.write_file(object_path(i).substr(1), object_bytes(i));
+  }
+  server.start();
+  for (int i = 0; i < kObjects; ++i) urls.push_back(server.url(object_path(i)));
+  auto pipeline = from_vector(urls) | http_get({.max_in_flight = 8, .connect_timeout = milliseconds(2000),
+                                                .total_timeout = milliseconds(5000), .retries = 1,
+                                                .backoff = milliseconds(5)});
+  auto pass = pipeline.pass();
+  const auto start = std::chrono::steady_clock::now();
+  int objects = 0, errors = 0;
+  for (int i = 0; i < kObjects; ++i) {
+    if (i == 20) server.stop();
+    try {
+      auto object = pass.next();
+      ASSERT_TRUE(object) << "item " << i;
+      EXPECT_EQ(object->url, urls[static_cast<size_t>(i)]);
+      EXPECT_EQ(std::string(object->bytes.begin(), object->bytes.end()), object_bytes(i)) << "item " << i;
+      ++objects;
+    } catch (const DataError& error) {
+      EXPECT_GE(i, 20);
+      EXPECT_EQ(error.file(), urls[static_cast<size_t>(i)]);
+      ++errors;
+    }
+  }
+  EXPECT_FALSE(pass.next());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_GE(objects, 20);
+  EXPECT_GT(errors, 0);
+  EXPECT_EQ(objects + errors, kObjects);
+}
+
+#ifdef CONVEYOR_IO_TEST_FORMATS
+TEST(HttpShardPattern, BracesExpandInUrls) {
+  EXPECT_EQ(expand_shard_pattern("http://127.0.0.1:8080/data/shard-{000008..000010}.tar"),
+            (std::vector<std::string>{"http://127.0.0.1:8080/data/shard-000008.tar",
+                                      "http://127.0.0.1:8080/data/shard-000009.tar",
+                                      "http://127.0.0.1:8080/data/shard-000010.tar"}));
+  EXPECT_EQ(expand_shard_pattern("https://host/a?x=1"), (std::vector<std::string>{"https://host/a?x=1"}));
+}
+#endif
+
+}  // namespace
+}  // namespace conveyor::nodes

@@ -1,0 +1,188 @@
+#include "nginx_server.h"
+
+#include <arpa/inet.h>
+#include <grp.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+extern char** environ;
+
+namespace conveyor::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A port nothing listens on now: bind to port 0, read it back, close.
+// Another process could take it before nginx does: start() retries then.
+uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("socket() failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    ::close(fd);
+    throw std::runtime_error("cannot bind a loopback port");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+bool accepts(uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(port);
+  const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  ::close(fd);
+  return connected;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+std::string NginxServer::binary() {
+  for (const std::string& candidate : {std::string(CONVEYOR_NGINX), std::string("/usr/sbin/nginx")}) {
+    if (!candidate.empty() && ::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+NginxServer::NginxServer() {
+  std::string pattern = (fs::temp_directory_path() / "conveyor-io-XXXXXX").string();
+  if (!::mkdtemp(pattern.data())) throw std::runtime_error("mkdtemp failed");
+  dir_ = pattern;
+  www_ = dir_ + "/www";
+  fs::create_directories(www_);
+  fs::create_directories(dir_ + "/tmp");
+}
+
+NginxServer::~NginxServer() {
+  stop();
+  std::error_code ignored;
+  fs::remove_all(dir_, ignored);
+}
+
+void NginxServer::write_file(const std::string& relative, const std::string& bytes) const {
+  const fs::path path = fs::path(www_) / relative;
+  fs::create_directories(path.parent_path());
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+void NginxServer::start() {
+  const std::string nginx = binary();
+  if (nginx.empty()) throw std::runtime_error("nginx is not installed");
+  std::string last_error;
+  for (int attempt = 0; attempt < 5; ++attempt) {  // another process may take the free port first
+    port_ = free_port();
+    std::ofstream conf(dir_ + "/nginx.conf");
+    conf << "daemon off;\nmaster_process on;\nworker_processes 1;\n"
+         << "pid " << dir_ << "/nginx.pid;\n"
+         << "error_log " << dir_ << "/error.log warn;\n";
+    if (::geteuid() == 0) {
+      // As root the workers would switch to nobody, who cannot read a 0700
+      // temporary directory: run them as the current user.
+      const passwd* user = ::getpwuid(::geteuid());
+      const group* group = user ? ::getgrgid(user->pw_gid) : nullptr;
+      if (user && group) conf << "user " << user->pw_name << " " << group->gr_name << ";\n";
+    }
+    conf << "events { worker_connections 1024; }\n"
+         << "http {\n"
+         << "  access_log " << dir_ << "/access.log;\n"
+         << "  client_body_temp_path " << dir_ << "/tmp/body;\n"
+         << "  proxy_temp_path " << dir_ << "/tmp/proxy;\n"
+         << "  fastcgi_temp_path " << dir_ << "/tmp/fastcgi;\n"
+         << "  uwsgi_temp_path " << dir_ << "/tmp/uwsgi;\n"
+         << "  scgi_temp_path " << dir_ << "/tmp/scgi;\n"
+         << "  default_type application/octet-stream;\n"
+         << "  keepalive_requests 100000;\n"
+         << "  server {\n"
+         << "    listen 127.0.0.1:" << port_ << ";\n"
+         << "    root " << www_ << ";\n"
+         << "    location /error500/ { return 500; }\n"
+         << "    location /reset/ { return 444; }\n"
+         << "    location /slow/ { limit_rate 1k; }\n"
+         << "    location /chunked/ { sub_filter 'no-such-text' 'x'; sub_filter_once off; sub_filter_types *; }\n"
+         << "  }\n"
+         << "}\n";
+    conf.close();
+    if (!conf) throw std::runtime_error("cannot write " + dir_ + "/nginx.conf");
+
+    const std::string prefix = dir_ + "/", config = dir_ + "/nginx.conf", error_log = dir_ + "/error.log";
+    std::vector<std::string> args = {nginx, "-p", prefix, "-c", config, "-e", error_log};
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    if (const int error = ::posix_spawn(&pid, nginx.c_str(), nullptr, nullptr, argv.data(), environ); error != 0) {
+      throw std::runtime_error("cannot start " + nginx + ": errno " + std::to_string(error));
+    }
+    pid_ = pid;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {  // exited: a taken port, a bad configuration
+        pid_ = -1;
+        break;
+      }
+      if (accepts(port_)) return;
+      ::poll(nullptr, 0, 5);  // the connect() poll's pace, not a race fix
+    }
+    last_error = read_text(error_log);
+    if (pid_ > 0) {
+      stop();
+      break;  // running but not accepting within the deadline: no retry
+    }
+  }
+  throw std::runtime_error("nginx did not start; its error log:\n" + last_error);
+}
+
+void NginxServer::stop() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGTERM);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+  pid_ = -1;
+}
+
+std::string NginxServer::url(const std::string& path) const {
+  return "http://127.0.0.1:" + std::to_string(port_) + path;
+}
+
+int NginxServer::requests_logged(const std::string& path) const {
+  const std::string log = read_text(dir_ + "/access.log");
+  const std::string needle = "\"GET " + path + " ";
+  int count = 0;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++count;
+  return count;
+}
+
+}  // namespace conveyor::test

@@ -1,0 +1,53 @@
+// A real nginx for conveyor::io's tests: started on a free 127.0.0.1 port
+// with a configuration written into a temporary directory (daemon off, pid,
+// logs and temp paths there, running as the current user), serving
+// DIR/www. Locations beyond the plain files:
+//   /error500/...  return 500
+//   /reset/...     return 444 (nginx closes the connection, no response)
+//   /slow/...      DIR/www/slow/..., limit_rate 1k
+//   /chunked/...   DIR/www/chunked/..., through sub_filter: no Content-Length
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace conveyor::test {
+
+class NginxServer {
+ public:
+  // The nginx binary, or "" when none is installed (tests skip then).
+  static std::string binary();
+
+  // Makes the temporary directory with an empty www/; start() serves it.
+  NginxServer();
+  ~NginxServer();  // stops the server, removes the directory
+  NginxServer(const NginxServer&) = delete;
+  NginxServer& operator=(const NginxServer&) = delete;
+
+  const std::string& www() const noexcept { return www_; }
+  // Writes www()/relative (directories made as needed).
+  void write_file(const std::string& relative, const std::string& bytes) const;
+
+  // Starts nginx and returns once it accepts connections (a connect() poll
+  // with a 10 s deadline). Throws std::runtime_error with nginx's error log.
+  void start();
+  // SIGTERM (nginx's fast shutdown: open connections are closed) and waits.
+  void stop();
+
+  uint16_t port() const noexcept { return port_; }
+  std::string url(const std::string& path) const;  // path starts with '/'
+  // How many requests for `path` the access log holds. The log line is
+  // written by nginx's only worker after the response is sent: make any
+  // other request first (the worker answers it only after logging the
+  // earlier ones) to count every request already answered.
+  int requests_logged(const std::string& path) const;
+
+ private:
+  std::string dir_, www_;
+  uint16_t port_ = 0;
+  pid_t pid_ = -1;
+};
+
+}  // namespace conveyor::test

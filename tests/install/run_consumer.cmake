@@ -16,3 +16,6 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE} -B ${WORK_DIR}/build
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+if(EXISTS ${WORK_DIR}/build/consumer_io)
+  run(${WORK_DIR}/build/consumer_io)
+endif()

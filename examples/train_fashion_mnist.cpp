@@ -439,6 +439,8 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
       const auto asked = Clock::now();
       auto batch = pass.next();
       if (!batch && job.distributed() && steps > 0) {
+        // End the finished pass first: a persistent loader runs one at a time.
+        { auto finished = std::move(pass); }
         pass = loader.iter();
         batch = pass.next();
       }

@@ -27,7 +27,8 @@ namespace conveyor {
 // taken round-robin, each worker drawing from its own stream.
 enum class Scheduling {
   // The default. Any free worker takes the next batch, and each batch's
-  // default_generator() is seeded from (base_seed, epoch, batch), also
+  // default_generator() is a Generator::for_item (xoshiro256**, cheap to
+  // seed) seeded from (base_seed, epoch, batch), also
   // without workers: augmentations are the same for any num_workers, 0
   // included, and a slow batch never idles the others (LibTorch's C++
   // loader shares one queue the same way). The sampler's order is PyTorch's

@@ -5,6 +5,8 @@
 //   conveyor_distributed_rank agree [--seed S] [--data N] [--batch B] [--timeout-ms T]
 //   conveyor_distributed_rank leave --lost K [--kill] [--timeout-ms T]
 //   conveyor_distributed_rank rendezvous [--timeout-ms T]
+//   conveyor_distributed_rank cost [--repeat K]   what one epoch's agreement
+//                                                 costs: agree_seed + agree_batch_count
 //
 // Exit status: 0 done, 3 a conveyor error (printed as "error=..."), 2 usage.
 #include <csignal>
@@ -32,6 +34,7 @@ struct Args {
   int lost = -1;
   bool kill = false;
   long timeout_ms = 20000;
+  int repeat = 1000;
 };
 
 Args parse(int argc, char** argv) {
@@ -56,6 +59,7 @@ Args parse(int argc, char** argv) {
     else if (flag == "--lost") args.lost = std::stoi(value());
     else if (flag == "--kill") args.kill = true;
     else if (flag == "--timeout-ms") args.timeout_ms = std::stol(value());
+    else if (flag == "--repeat") args.repeat = std::stoi(value());
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       std::exit(2);
@@ -140,6 +144,22 @@ int leave(const Args& args, dist::Group& group) {
   return 4;
 }
 
+// The per-epoch collectives a loader needs (the seed, the batch count),
+// timed over many epochs after one warm-up round.
+int cost(const Args& args, dist::Group& group) {
+  group.agree_seed(uint64_t{1});
+  group.agree_batch_count(1);
+  group.barrier();
+  const Clock::time_point start = Clock::now();
+  for (int epoch = 0; epoch < args.repeat; ++epoch) {
+    group.agree_seed(uint64_t{1});
+    group.agree_batch_count(static_cast<size_t>(100 + group.rank()));
+  }
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  say("epochs=" + std::to_string(args.repeat) + " us_per_epoch=" + std::to_string(us / args.repeat));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,6 +176,7 @@ int main(int argc, char** argv) {
     dist::Group group = dist::Group::init(options);
     if (args.mode == "agree") return agree(args, group);
     if (args.mode == "leave") return leave(args, group);
+    if (args.mode == "cost") return cost(args, group);
     if (args.mode == "rendezvous") {
       say("joined");
       return 0;

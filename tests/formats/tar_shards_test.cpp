@@ -31,6 +31,7 @@
 
 #include "support/image_bombs.h"
 #include "support/memory_cap.h"
+#include "support/pipelines.h"
 
 namespace {
 
@@ -1163,13 +1164,6 @@ conveyor::Pipeline<ShardSample> shard_pipeline(const std::string& directory) {
          nodes::group_by_key();
 }
 
-template <class T>
-size_t one_pass_count(conveyor::Pipeline<T>& pipeline) {
-  size_t count = 0;
-  for (auto& item : pipeline.pass()) count += (static_cast<void>(item), 1);
-  return count;
-}
-
 // untar from the archives' bytes (read_files) or streamed from their paths.
 conveyor::Pipeline<nodes::TarMember> members(const std::string& directory, bool streamed,
                                              nodes::UntarOptions options = {}) {
@@ -1306,7 +1300,7 @@ TEST(TarNodes, AnArchiveCutAtAMemberBoundaryIsNotSilentlyShort) {
                                                 "000002.cls", "error"}))
         << (streamed ? "streamed" : "from bytes");
     auto skipping = members(dir.file(""), streamed, {.on_error = OnError::skip});
-    EXPECT_EQ(one_pass_count(skipping), 6u);
+    EXPECT_EQ(conveyor::testing::one_pass(skipping).size(), 6u);
     EXPECT_EQ(skipping.metrics().back().skipped, 1u);
   }
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "support/datasets.h"
+#include "support/pipelines.h"
 #include "support/sync.h"
 
 namespace {
@@ -21,12 +22,7 @@ namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
 using conveyor::ShardSpec;
 
-template <class T>
-std::vector<T> one_pass(Pipeline<T>& pipeline) {
-  std::vector<T> out;
-  for (auto& item : pipeline.pass()) out.push_back(item);
-  return out;
-}
+using conveyor::testing::one_pass;
 
 std::vector<int64_t> iota(int64_t n) {
   std::vector<int64_t> v(static_cast<size_t>(n));

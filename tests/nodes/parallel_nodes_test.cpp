@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "support/pipelines.h"
 #include "support/sync.h"
 
 namespace {
@@ -22,12 +23,7 @@ namespace {
 namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
 
-template <class T>
-std::vector<T> one_pass(Pipeline<T>& pipeline) {
-  std::vector<T> out;
-  for (auto& item : pipeline.pass()) out.push_back(item);
-  return out;
-}
+using conveyor::testing::one_pass;
 
 TEST(ParallelMap, YieldsWhatTheSerialMapYieldsForAnyWorkerCount) {
   // f draws from default_generator(): the item's own, so the values match too.

@@ -166,6 +166,11 @@ struct Group::Impl {
     } catch (const std::exception& error) {
       rendezvous_failed("cannot watch the other ranks", &error, {}, false);
     }
+    // No rank returns before every rank has connected to every other's
+    // port: a rank that is done right after the group is made (and exits)
+    // would otherwise refuse a slower peer's connect and fail its init.
+    collective("barrier after the exchange of liveness ports",
+               [&] { group->barrier()->wait(); });
   }
 
   [[noreturn]] void rendezvous_failed(const std::string& problem, const std::exception* error,

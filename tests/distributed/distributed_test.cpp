@@ -241,6 +241,18 @@ TEST(Distributed, ARerunWithTheSameSeedPrintsTheSame) {
   }
 }
 
+TEST(Distributed, RanksThatExitRightAfterInitAllSucceed) {
+  // "rendezvous" makes the group and exits: the first rank done must not
+  // close its liveness port before the others have connected to it.
+  LaunchResult result = launch(kRank, {"rendezvous"}, 4, port_for_test(), milliseconds(60000));
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(result.ranks[rank].exit_code, 0) << result.describe();
+    EXPECT_NE(result.ranks[rank].output.find("rank " + std::to_string(rank) + ": joined"),
+              std::string::npos)
+        << result.describe();
+  }
+}
+
 TEST(Distributed, RanksThatSetDifferentSeedsAllFail) {
   // Rank 1 gets another seed on its own command line.
   std::vector<conveyor::test::Command> commands;

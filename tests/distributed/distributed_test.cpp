@@ -152,15 +152,12 @@ struct Agreement {
 
 class ManyRanks : public ::testing::TestWithParam<Agreement> {};
 
-// Seeds, shards and batch counts, checked across every rank's output.
-void check_agreement(const LaunchResult& result, int world, std::optional<uint64_t> seed,
-                     size_t data, size_t batch) {
-  const std::string out = all_output(result);
-  for (int rank = 0; rank < world; ++rank) {
-    ASSERT_EQ(result.ranks[rank].exit_code, 0) << result.describe();
-  }
+// Seeds, shards and batch counts, checked across every rank's output (`out`:
+// every process's output together; `context` is quoted on failure).
+void check_agreement(const std::string& out, const std::string& context, int world,
+                     std::optional<uint64_t> seed, size_t data, size_t batch) {
   const std::string seed0 = value_of(out, 0, "seed");
-  ASSERT_FALSE(seed0.empty()) << result.describe();
+  ASSERT_FALSE(seed0.empty()) << context;
   if (seed) {
     EXPECT_EQ(seed0, std::to_string(*seed));
   }
@@ -173,7 +170,7 @@ void check_agreement(const LaunchResult& result, int world, std::optional<uint64
   const size_t per_rank_dropped = data / world;
   std::vector<size_t> expected_local;
   for (int rank = 0; rank < world; ++rank) {
-    EXPECT_EQ(value_of(out, rank, "seed"), seed0) << "rank " << rank;
+    EXPECT_EQ(value_of(out, rank, "seed"), seed0) << "rank " << rank << "\n" << context;
     std::vector<size_t> shard = numbers(value_of(out, rank, "shard"));
     std::vector<size_t> dropped = numbers(value_of(out, rank, "shard_drop_last"));
     EXPECT_EQ(shard.size(), per_rank) << "rank " << rank;
@@ -206,6 +203,26 @@ void check_agreement(const LaunchResult& result, int world, std::optional<uint64
   }
 }
 
+// One process per rank, launched here: each must exit 0 first.
+void check_agreement(const LaunchResult& result, int world, std::optional<uint64_t> seed,
+                     size_t data, size_t batch) {
+  for (int rank = 0; rank < world; ++rank) {
+    ASSERT_EQ(result.ranks[rank].exit_code, 0) << result.describe();
+  }
+  check_agreement(all_output(result), result.describe(), world, seed, data, batch);
+}
+
+// Two runs of `agree` with the same seed print the same on every rank.
+void expect_same_results(const std::string& first, const std::string& second, int world) {
+  for (int rank = 0; rank < world; ++rank) {
+    for (const char* key : {"seed", "shard", "shard_drop_last", "batches local", "steps"}) {
+      EXPECT_FALSE(value_of(first, rank, key).empty()) << key << " on rank " << rank;
+      EXPECT_EQ(value_of(first, rank, key), value_of(second, rank, key))
+          << key << " on rank " << rank;
+    }
+  }
+}
+
 TEST_P(ManyRanks, AgreeOnSeedShardsAndBatchCounts) {
   const Agreement p = GetParam();
   std::vector<std::string> args = {"agree", "--data", "103", "--batch", "4"};
@@ -233,12 +250,8 @@ TEST(Distributed, ARerunWithTheSameSeedPrintsTheSame) {
   for (int rank = 0; rank < 2; ++rank) {
     ASSERT_EQ(first.ranks[rank].exit_code, 0) << first.describe();
     ASSERT_EQ(second.ranks[rank].exit_code, 0) << second.describe();
-    for (const char* key : {"seed", "shard", "shard_drop_last", "batches local", "steps"}) {
-      EXPECT_EQ(value_of(first.ranks[rank].output, rank, key),
-                value_of(second.ranks[rank].output, rank, key))
-          << key << " on rank " << rank;
-    }
   }
+  expect_same_results(all_output(first), all_output(second), 2);
 }
 
 TEST(Distributed, RanksThatExitRightAfterInitAllSucceed) {
@@ -411,6 +424,81 @@ TEST(Distributed, TorchrunLaunchesTwoRanks) {
     EXPECT_EQ(value_of(out, rank, "steps"), value_of(out, 0, "steps")) << out;
   }
   EXPECT_FALSE(value_of(out, 1, "steps").empty()) << out;
+}
+
+// Two torchrun agents on this machine, as two nodes would run them: c10d's
+// rendezvous on 127.0.0.1:<free port>, `per_node` ranks each. Node 0's agent
+// hosts the rendezvous store (is_host): on one machine both agents match the
+// endpoint's host, and saying which one keeps the test off torchrun's
+// fallback of retrying as a client after a failed bind.
+LaunchResult launch_two_torchrun_nodes(const std::string& torchrun, int per_node,
+                                       const std::vector<std::string>& args,
+                                       milliseconds deadline) {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(port_for_test());
+  char log_dir[] = "/tmp/conveyor-torchrun-XXXXXX";
+  if (::mkdtemp(log_dir) == nullptr) throw std::runtime_error("mkdtemp failed");
+  std::vector<conveyor::test::Command> commands;
+  for (int node = 0; node < 2; ++node) {
+    // --monitor_interval: the agent notices its workers' exit within 0.5 s,
+    // not its default 5 s. --max_restarts 0: a failure fails the test.
+    std::vector<std::string> argv = {
+        torchrun, "--nnodes", "2", "--node_rank", std::to_string(node), "--nproc_per_node",
+        std::to_string(per_node), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+        "--rdzv_id", "conveyor-test-" + endpoint, "--rdzv_conf",
+        node == 0 ? "is_host=1" : "is_host=0", "--max_restarts", "0", "--monitor_interval",
+        "0.5", "--redirects", "1", "--tee", "1", "--log_dir", log_dir, "--no_python", kRank};
+    argv.insert(argv.end(), args.begin(), args.end());
+    commands.push_back({argv, {}});
+  }
+  LaunchResult result = conveyor::test::run_all(commands, deadline);
+  std::filesystem::remove_all(log_dir);
+  return result;
+}
+
+TEST(Distributed, TwoTorchrunNodesOnOneMachine) {
+  const std::string torchrun = find_on_path("torchrun");
+  if (torchrun.empty()) GTEST_SKIP() << "torchrun is not on the PATH (Debian: python3-torch)";
+  constexpr int kPerNode = 2;
+  constexpr int kWorld = 2 * kPerNode;
+  const uint64_t seed = 20240918;
+  const std::vector<std::string> args = {"agree", "--seed", std::to_string(seed), "--data",
+                                         "103", "--batch", "4"};
+  std::vector<std::string> outputs;
+  for (int run = 0; run < 2; ++run) {
+    const LaunchResult result = launch_two_torchrun_nodes(torchrun, kPerNode, args, milliseconds(120000));
+    for (const auto& agent : result.ranks) {
+      ASSERT_FALSE(agent.killed_at_deadline) << result.describe();
+      ASSERT_EQ(agent.exit_code, 0) << result.describe();
+    }
+    const std::string out = all_output(result);
+    check_agreement(out, result.describe(), kWorld, seed, 103, 4);
+    // Each agent started one node: ranks g*2 and g*2+1 of its group rank g
+    // (c10d's rendezvous numbers the agents in the order they join), with
+    // local ranks 0 and 1.
+    std::set<int> groups;
+    for (const auto& agent : result.ranks) {
+      std::vector<int> here;
+      for (int rank = 0; rank < kWorld; ++rank) {
+        if (!value_of(agent.output, rank, "seed").empty()) here.push_back(rank);
+      }
+      ASSERT_EQ(here.size(), size_t(kPerNode)) << result.describe();
+      const int group = here[0] / kPerNode;
+      groups.insert(group);
+      for (int local = 0; local < kPerNode; ++local) {
+        const int rank = here[local];
+        EXPECT_EQ(rank, group * kPerNode + local) << result.describe();
+        EXPECT_EQ(value_of(agent.output, rank, "local_rank"), std::to_string(local));
+        EXPECT_EQ(value_of(agent.output, rank, "local_world_size"), std::to_string(kPerNode));
+        EXPECT_EQ(value_of(agent.output, rank, "launcher").rfind("torchrun world=4 master=", 0), 0u)
+            << result.describe();
+      }
+    }
+    EXPECT_EQ(groups, (std::set<int>{0, 1})) << result.describe();
+    std::printf("run %d: two torchrun nodes x %d ranks in %.1f s\n", run + 1, kPerNode,
+                static_cast<double>(result.elapsed.count()) / 1000);
+    outputs.push_back(out);
+  }
+  expect_same_results(outputs[0], outputs[1], kWorld);
 }
 
 }  // namespace

@@ -173,6 +173,9 @@ int main(int argc, char** argv) {
     say("launcher=" + options.environment->launcher + " world=" +
         std::to_string(options.environment->world_size) + " master=" +
         options.environment->master_addr + ":" + std::to_string(options.environment->master_port));
+    // The node's share: torchrun's LOCAL_RANK or Open MPI's OMPI_COMM_WORLD_LOCAL_RANK.
+    say("local_rank=" + std::to_string(options.environment->local_rank));
+    say("local_world_size=" + std::to_string(options.environment->local_world_size));
     dist::Group group = dist::Group::init(options);
     if (args.mode == "agree") return agree(args, group);
     if (args.mode == "leave") return leave(args, group);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -499,6 +500,98 @@ TEST(Distributed, TwoTorchrunNodesOnOneMachine) {
     outputs.push_back(out);
   }
   expect_same_results(outputs[0], outputs[1], kWorld);
+}
+
+// ---- Open MPI ------------------------------------------------------------------------
+
+// Open MPI's mpirun, or why there is none to use.
+std::string open_mpi_mpirun(std::string& why_not) {
+  const std::string mpirun = find_on_path("mpirun");
+  if (mpirun.empty()) {
+    why_not = "mpirun is not on the PATH (Debian: openmpi-bin)";
+    return "";
+  }
+  const LaunchResult version = conveyor::test::run_all({{{mpirun, "--version"}, {}}}, milliseconds(30000));
+  const std::string& said = version.ranks[0].output;
+  if (said.find("Open MPI") == std::string::npos) {
+    why_not = mpirun + " is not Open MPI's (it said: " + said.substr(0, said.find('\n')) + ")";
+    return "";
+  }
+  return mpirun;
+}
+
+// mpirun's flags for a job on this machine alone, wherever the test runs:
+// as root in a container (Open MPI refuses root without the flag), on fewer
+// cores than ranks, and with no ssh (Open MPI 4.1 fails at startup when its
+// rsh launcher finds no ssh, even for local ranks: plm "isolated" launches
+// on this node only). Its own sockets stay on the loopback.
+std::vector<std::string> mpirun_on_this_machine(const std::string& mpirun, int ranks) {
+  return {mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "plm", "isolated", "--mca",
+          "oob_tcp_if_include", "lo", "-np", std::to_string(ranks)};
+}
+
+TEST(Distributed, MpirunLaunchesTwoRanks) {
+  std::string why_not;
+  const std::string mpirun = open_mpi_mpirun(why_not);
+  if (mpirun.empty()) GTEST_SKIP() << why_not;
+  constexpr int kWorld = 2;
+  const uint64_t seed = 20240919;
+  std::vector<std::string> outputs;
+  for (int run = 0; run < 2; ++run) {
+    // mpirun sets no rendezvous address: MASTER_ADDR and MASTER_PORT go by -x.
+    const std::string port = std::to_string(port_for_test());
+    std::vector<std::string> argv = mpirun_on_this_machine(mpirun, kWorld);
+    for (const std::string& arg :
+         {std::string("-x"), std::string("MASTER_ADDR=127.0.0.1"), std::string("-x"),
+          "MASTER_PORT=" + port, kRank, std::string("agree"), std::string("--seed"),
+          std::to_string(seed), std::string("--data"), std::string("103"), std::string("--batch"),
+          std::string("4")}) {
+      argv.push_back(arg);
+    }
+    const LaunchResult result = conveyor::test::run_all({{argv, {}}}, milliseconds(60000));
+    ASSERT_FALSE(result.ranks[0].killed_at_deadline) << result.describe();
+    ASSERT_EQ(result.ranks[0].exit_code, 0) << result.describe();
+    const std::string& out = result.ranks[0].output;
+    check_agreement(out, result.describe(), kWorld, seed, 103, 4);
+    for (int rank = 0; rank < kWorld; ++rank) {
+      // Read from OMPI_COMM_WORLD_*, not from torchrun's variables.
+      EXPECT_EQ(value_of(out, rank, "launcher"), "Open MPI world=2 master=127.0.0.1:" + port) << out;
+      EXPECT_EQ(value_of(out, rank, "local_rank"), std::to_string(rank)) << out;
+      EXPECT_EQ(value_of(out, rank, "local_world_size"), "2") << out;
+    }
+    std::printf("run %d: mpirun, %d ranks in %.1f s\n", run + 1, kWorld,
+                static_cast<double>(result.elapsed.count()) / 1000);
+    outputs.push_back(out);
+  }
+  expect_same_results(outputs[0], outputs[1], kWorld);
+}
+
+// mpirun puts each rank in a process group of its own: killing mpirun's
+// group at the deadline must not leave the ranks running.
+TEST(Distributed, AnMpirunJobPastTheDeadlineLeavesNoRankBehind) {
+  std::string why_not;
+  const std::string mpirun = open_mpi_mpirun(why_not);
+  if (mpirun.empty()) GTEST_SKIP() << why_not;
+  std::vector<std::string> argv = mpirun_on_this_machine(mpirun, 2);
+  // Each rank says its pid, then becomes a process that outlives the deadline.
+  for (const char* arg : {"/bin/sh", "-c", "echo \"pid=$$\"; exec sleep 600"}) argv.push_back(arg);
+  const LaunchResult result = conveyor::test::run_all({{argv, {}}}, milliseconds(8000));
+  ASSERT_TRUE(result.ranks[0].killed_at_deadline) << result.describe();
+  std::vector<pid_t> pids;
+  std::istringstream lines(result.ranks[0].output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("pid=", 0) == 0) pids.push_back(std::stoi(line.substr(4)));
+  }
+  // Both ranks must have started, or the test proves nothing.
+  ASSERT_EQ(pids.size(), 2u) << "the ranks did not start within the deadline\n" << result.describe();
+  for (pid_t pid : pids) {
+    const std::string cmdline = "/proc/" + std::to_string(pid) + "/cmdline";
+    std::ifstream in(cmdline);
+    std::string command;
+    std::getline(in, command, '\0');
+    EXPECT_NE(command, "sleep") << "rank pid " << pid << " is still running";
+    std::printf("rank pid %d: %s\n", pid, command.empty() ? "gone" : command.c_str());
+  }
 }
 
 }  // namespace

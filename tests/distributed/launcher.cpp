@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
@@ -50,6 +52,40 @@ std::string read_file(const std::string& path) {
 
 int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
 
+// Our children now: the commands still running and whatever they left
+// behind, re-parented to us (see reap_orphans).
+std::vector<pid_t> children_of_this_process() {
+  const pid_t self = ::getpid();
+  std::vector<pid_t> out;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    // "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+    const std::string stat = read_file(entry.path().string() + "/stat");
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 1));
+    char state = 0;
+    pid_t parent = 0;
+    if (rest >> state >> parent && parent == self) out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// mpirun puts every rank in a process group of its own, so killing mpirun's
+// group leaves the ranks running; as a child subreaper this process inherits
+// them when mpirun dies, and kills and reaps every child still here. Nothing
+// else in a test binary starts processes.
+void reap_orphans() {
+  for (int round = 0; round < 100; ++round) {
+    const std::vector<pid_t> children = children_of_this_process();
+    if (children.empty()) return;
+    for (pid_t pid : children) ::kill(pid, SIGKILL);
+    for (pid_t pid : children) ::waitpid(pid, nullptr, 0);
+  }
+}
+
 }  // namespace
 
 uint16_t free_port() {
@@ -83,6 +119,8 @@ LaunchResult run_all(const std::vector<Command>& commands, std::chrono::millisec
   char dir_template[] = "/tmp/conveyor-distributed-XXXXXX";
   if (::mkdtemp(dir_template) == nullptr) fail("mkdtemp");
   const std::string dir = dir_template;
+  // Orphaned descendants (mpirun's ranks) become ours, for reap_orphans.
+  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) fail("prctl(PR_SET_CHILD_SUBREAPER)");
 
   struct Child {
     pid_t pid = -1;
@@ -169,6 +207,10 @@ LaunchResult run_all(const std::vector<Command>& commands, std::chrono::millisec
       result.ranks[i].signal = SIGKILL;
     }
     ::close(children[i].pidfd);
+  }
+  // After the deadline, and after a launcher that exited leaving ranks behind.
+  reap_orphans();
+  for (size_t i = 0; i < children.size(); ++i) {
     result.ranks[i].output = read_file(children[i].log);
     ::unlink(children[i].log.c_str());
   }

@@ -30,7 +30,8 @@ struct LaunchResult {
 uint16_t free_port();
 
 // Runs `argv` as one process, environment = ours minus the launchers'
-// variables plus `env`, output to a file; kills it at the deadline.
+// variables plus `env`, output to a file; kills it at the deadline, with its
+// process group and any process it leaves behind (mpirun's ranks).
 struct Command {
   std::vector<std::string> argv;
   std::map<std::string, std::string> env;

@@ -100,6 +100,13 @@ class Completer {
   std::vector<std::thread> threads_;
 };
 
+// An error for Completion::fail, made in a statement of its own: the
+// temporary exception is gone before the completion publishes the copy
+// (std::runtime_error's message is a reference-counted string shared by the
+// two; destroying the temporary after fail() would race, in ThreadSanitizer's
+// eyes, with the consumer reading what(): libstdc++'s count is invisible to it).
+std::exception_ptr error_ptr(const std::string& what) { return std::make_exception_ptr(std::runtime_error(what)); }
+
 // Keeps the completions fn is handed, for the test to call in any order.
 struct Held {
   std::vector<Completion<int64_t>> completions;
@@ -198,7 +205,13 @@ TEST(AsyncMap, NextSleepsInTheKernelWhileWaiting) {
   // A blocked next() must park (futex), not spin: its thread's state in
   // /proc reaches 'S' (a spinning or yielding thread stays 'R').
   Held held;
-  auto pipeline = nodes::from_range(0, 1) | nodes::async_map<int64_t>(hold(held), {.max_in_flight = 4});
+  std::atomic<bool> started{false};  // fn ran (on the consumer's thread): `held` is the main thread's now
+  auto pipeline = nodes::from_range(0, 1) | nodes::async_map<int64_t>(
+                                                [&](int64_t i, Completion<int64_t> done) {
+                                                  hold(held)(i, std::move(done));
+                                                  started = true;
+                                                },
+                                                {.max_in_flight = 4});
   auto pass = pipeline.pass();
   std::atomic<pid_t> tid{0};
   std::optional<int64_t> got;
@@ -215,10 +228,11 @@ TEST(AsyncMap, NextSleepsInTheKernelWhileWaiting) {
     std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
     const size_t paren = text.rfind(')');
     if (paren != std::string::npos && paren + 2 < text.size()) state = text[paren + 2];
-    if (state == 'S' && held.completions.size() == 1) break;
+    if (state == 'S' && started) break;
     std::this_thread::yield();
   }
   EXPECT_EQ(state, 'S') << "the consumer blocked in next() is not sleeping";
+  ASSERT_TRUE(started);
   ASSERT_EQ(held.completions.size(), 1u);
   held.completions[0](42);
   consumer.join();
@@ -235,7 +249,7 @@ TEST(AsyncMap, ErrorsKeepTheirPlaceAndNameNodeAndPosition) {
             if (i == 2) return;  // dropped: destroyed without a value
             completer.after(std::chrono::microseconds(100 * (6 - i)), [i, done = std::move(done)]() mutable {
               if (i == 4) {
-                done.fail(std::make_exception_ptr(std::runtime_error("failed later")));
+                done.fail(error_ptr("failed later"));
               } else {
                 done(i);
               }
@@ -280,7 +294,7 @@ TEST(AsyncMap, SkipDropsAndCountsOwnErrorsInBothOrders) {
                           if (i % 10 == 3) throw std::runtime_error("bad");
                           completer.after(std::chrono::microseconds(i % 7 * 50), [i, done = std::move(done)]() mutable {
                             if (i % 10 == 7) {
-                              done.fail(std::make_exception_ptr(std::runtime_error("bad later")));
+                              done.fail(error_ptr("bad later"));
                             } else {
                               done(i);
                             }
@@ -452,7 +466,7 @@ TEST(AsyncMapStress, RandomCompletionsResetsAndDestructionAgainstTheModel) {
           return;
         case Fate::fail_later:
           completer->after(std::chrono::microseconds(plan.delay_us), [i, done = std::move(done), &late_rejections]() mutable {
-            if (!done.fail(std::make_exception_ptr(std::runtime_error("fail " + std::to_string(i))))) ++late_rejections;
+            if (!done.fail(error_ptr("fail " + std::to_string(i)))) ++late_rejections;
           });
           return;
         case Fate::value:

@@ -169,6 +169,13 @@ class AsyncWindow {
     slots_[index].word.compare_exchange_strong(expected, ticket << 2 | kCancelled, std::memory_order_relaxed);
   }
 
+  // A completer's hint (Completion::cancelled()).
+  bool cancelled(uint32_t index, uint64_t ticket) const noexcept {
+    // relaxed: a hint read for itself; deliver() decides with its own
+    // compare-exchange whatever this returned.
+    return slots_[index].word.load(std::memory_order_relaxed) == (ticket << 2 | kCancelled);
+  }
+
   // The node's: is `ticket` done in slot `index`? (In order.)
   bool done(uint32_t index, uint64_t ticket) const noexcept {
     // acquire: pairs with deliver()'s release store of `ticket | done`: the
@@ -237,6 +244,11 @@ class Completion {
     return window->deliver(slot_, ticket_, &holder, nullptr, false);
   }
   // Fails the item with `error` (thrown at the item's place, or skipped).
+  // Make the exception_ptr in a statement before this call, not inside it:
+  // a temporary exception outliving the call would be destroyed while the
+  // consumer reads the copy, and standard exceptions share their message
+  // buffer between copies (reference-counted where ThreadSanitizer cannot
+  // see the count).
   bool fail(std::exception_ptr error) {
     if (!error) throw std::invalid_argument("Completion::fail: the exception_ptr is empty");
     auto window = take("failed");
@@ -244,6 +256,9 @@ class Completion {
   }
   // True until called, failed or moved from.
   explicit operator bool() const noexcept { return window_ != nullptr; }
+  // True once the item is known unwanted (its pass reset, its node gone):
+  // work not yet begun for it may be skipped. A hint: false may be stale.
+  bool cancelled() const noexcept { return window_ && window_->cancelled(slot_, ticket_); }
 
  private:
   template <class, class, class>

@@ -1,0 +1,508 @@
+// read_files_async (conveyor/nodes/files_async.h): async_map over a file
+// reader, io_uring's or a thread pool's. The reader calls each item's
+// Completion from its own thread(s); async_map does the rest.
+#include "conveyor/nodes/files_async.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "conveyor/nodes/async.h"
+
+#if CONVEYOR_IO_HAVE_URING
+#include <liburing.h>
+#endif
+
+namespace conveyor::nodes {
+namespace {
+
+using Done = Completion<FileBytes>;
+
+// ---- what both backends share: read_files' checks and messages -------------
+
+std::string os_reason(int error_number) { return std::generic_category().message(error_number); }
+
+std::string file_type_name(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "file type " + std::to_string(mode & S_IFMT);
+}
+
+// Why a file of this type and size is refused, or "".
+std::string refuse(mode_t mode, uint64_t size, uint64_t max_bytes) {
+  if (!S_ISREG(mode)) return "not a regular file (" + file_type_name(mode) + ")";
+  if (size > max_bytes) {
+    return "the file holds " + std::to_string(size) + " bytes, more than read_files_async's max_bytes " +
+           std::to_string(max_bytes);
+  }
+  return {};
+}
+
+// The descriptor was opened O_NONBLOCK (so that opening a FIFO cannot wait
+// for a writer); reads of the regular file must block (io_uring would answer
+// EAGAIN instead of waiting for the disk).
+std::string clear_nonblock(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) return "cannot clear O_NONBLOCK: " + os_reason(errno);
+  return {};
+}
+
+// The exception_ptr is made in a statement of its own: the temporary
+// DataError (whose message string is reference-counted, shared with the
+// copy inside the exception_ptr) is destroyed before fail() publishes the
+// copy to the consumer's thread, not after.
+void fail(Done& done, const std::string& why, const std::string& path) {
+  std::exception_ptr error = std::make_exception_ptr(DataError(why, path));
+  done.fail(std::move(error));
+}
+
+class FileReader {
+ public:
+  virtual ~FileReader() = default;
+  virtual void read(std::string path, Done done) = 0;
+};
+
+// ---- the thread pool -----------------------------------------------------------
+
+class PoolReader final : public FileReader {
+ public:
+  PoolReader(int threads, uint64_t max_bytes) : max_bytes_(max_bytes) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~PoolReader() override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& thread : threads_) thread.join();
+    // Requests still queued belong to a node that is going: their
+    // completions are dropped with the queue, delivering nothing.
+  }
+  void read(std::string path, Done done) override {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back({std::move(path), std::move(done)});
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  struct Request {
+    std::string path;
+    Done done;
+  };
+
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      Request request = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      if (!request.done.cancelled()) serve(request);  // else its pass is over: skip the read
+      lock.lock();
+    }
+  }
+
+  void serve(Request& request) {
+    int fd;
+    do {
+      fd = ::open(request.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return fail(request.done, "cannot open: " + os_reason(errno), request.path);
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }
+    } closer{fd};
+    struct stat status {};
+    if (::fstat(fd, &status) != 0) return fail(request.done, "cannot stat: " + os_reason(errno), request.path);
+    const auto size = static_cast<uint64_t>(status.st_size);
+    std::string why = refuse(status.st_mode, size, max_bytes_);
+    if (why.empty()) why = clear_nonblock(fd);
+    if (!why.empty()) return fail(request.done, why, request.path);
+    std::vector<uint8_t> bytes;
+    try {
+      bytes.resize(static_cast<size_t>(size));
+    } catch (...) {
+      request.done.fail(std::current_exception());
+      return;
+    }
+    size_t got = 0;
+    while (got < bytes.size()) {
+      const ssize_t n = ::pread(fd, bytes.data() + got, bytes.size() - got, static_cast<off_t>(got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return fail(request.done, "cannot read: " + os_reason(errno), request.path);
+      if (n == 0) break;  // shrank meanwhile
+      got += static_cast<size_t>(n);
+    }
+    bytes.resize(got);
+    request.done(FileBytes{std::move(request.path), std::move(bytes)});
+  }
+
+  uint64_t max_bytes_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Request> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// ---- io_uring ------------------------------------------------------------------
+
+#if CONVEYOR_IO_HAVE_URING
+
+// One ring, one thread waiting on its completion queue. Submissions come from
+// the node's thread (an openat per new file) and from the ring thread (each
+// next step), under one mutex: the submission queue has a single producer at
+// a time; the completion queue is the ring thread's alone, which handles
+// each batch of completions under the mutex too (completions only deliver
+// into async_map's window: nothing calls back into the reader).
+class UringReader final : public FileReader {
+ public:
+  // nullptr and `why` when the ring cannot be set up.
+  static std::unique_ptr<UringReader> create(unsigned entries, uint64_t max_bytes, std::string& why) {
+    auto reader = std::unique_ptr<UringReader>(new UringReader(max_bytes));
+    const int rc = io_uring_queue_init(entries, &reader->ring_, 0);
+    if (rc < 0) {
+      why = "io_uring_queue_init failed: " + os_reason(-rc);
+      return nullptr;
+    }
+    reader->ring_ready_ = true;
+    reader->thread_ = std::thread([raw = reader.get()] { raw->loop(); });
+    return reader;
+  }
+
+  ~UringReader() override {
+    if (!ring_ready_) return;
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+      io_uring_sqe* sqe = sqe_locked();
+      if (sqe) {
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, nullptr);  // the stop sentinel
+        io_uring_submit(&ring_);
+      }
+      stop_submitted_ = sqe != nullptr;
+    }
+    // The thread drains every request in flight first: the kernel writes
+    // into their buffers until their completions arrive.
+    thread_.join();
+    io_uring_queue_exit(&ring_);
+  }
+
+  void read(std::string path, Done done) override {
+    auto request = std::make_unique<Request>();
+    request->path = std::move(path);
+    request->done = std::move(done);
+    std::lock_guard lock(mutex_);
+    io_uring_sqe* sqe = sqe_locked();
+    if (!sqe) {
+      fail(request->done, "io_uring: no submission queue entry free", request->path);
+      return;
+    }
+    io_uring_prep_openat(sqe, AT_FDCWD, request->path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
+    io_uring_sqe_set_data(sqe, request.get());
+    const int rc = io_uring_submit(&ring_);
+    if (rc < 0) {
+      fail(request->done, "io_uring_submit failed: " + os_reason(-rc), request->path);
+      return;
+    }
+    ++outstanding_;
+    request.release();  // the ring thread's now, until its last step
+  }
+
+ private:
+  struct Request {
+    enum class Step { open, stat, read } step = Step::open;
+    std::string path;
+    Done done;
+    int fd = -1;
+    struct statx stx {};
+    std::vector<uint8_t> bytes;
+    size_t got = 0;
+  };
+
+  explicit UringReader(uint64_t max_bytes) : max_bytes_(max_bytes) {}
+
+  // A free entry, submitting what is queued when there is none. Under mutex_.
+  io_uring_sqe* sqe_locked() {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (!sqe) {
+      io_uring_submit(&ring_);
+      sqe = io_uring_get_sqe(&ring_);
+    }
+    return sqe;
+  }
+
+  void loop() {
+    bool stop_seen = false;
+    bool wait_failed = false;
+    std::vector<Request*> next;  // requests whose next step to submit
+    while (true) {
+      io_uring_cqe* cqe = nullptr;
+      const int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR) continue;
+      if (rc < 0) {
+        // Not expected with a working ring; say so once and keep draining.
+        if (!wait_failed) std::fprintf(stderr, "conveyor: read_files_async: io_uring_wait_cqe: %s\n", os_reason(-rc).c_str());
+        wait_failed = true;
+        continue;
+      }
+      // Under the mutex: read() wrote each request before submitting it under
+      // the mutex; the kernel's completion is no happens-before edge that
+      // ThreadSanitizer can see, the mutex is.
+      std::lock_guard lock(mutex_);
+      unsigned head;
+      unsigned seen = 0;
+      size_t finished = 0;
+      io_uring_for_each_cqe(&ring_, head, cqe) {
+        ++seen;
+        auto* request = static_cast<Request*>(io_uring_cqe_get_data(cqe));
+        if (!request) {
+          stop_seen = true;
+          continue;
+        }
+        if (advance(*request, cqe->res)) {
+          next.push_back(request);
+        } else {
+          delete request;
+          ++finished;
+        }
+      }
+      io_uring_cq_advance(&ring_, seen);
+      outstanding_ -= finished;
+      bool prepared = false;
+      for (Request* request : next) {
+        if (submit_step_locked(*request)) {
+          prepared = true;
+        } else {
+          delete request;
+          --outstanding_;
+        }
+      }
+      next.clear();
+      if (prepared) io_uring_submit(&ring_);
+      // Stopping: once the sentinel came back (or could not be queued) and
+      // nothing is in flight, no completion can still arrive.
+      if ((stop_seen || (stopping_ && !stop_submitted_)) && outstanding_ == 0) return;
+    }
+  }
+
+  // A step finished with `res`: true when the request has a next step to
+  // submit; false when it is over (delivered or failed here).
+  bool advance(Request& r, int res) {
+    switch (r.step) {
+      case Request::Step::open:
+        if (res < 0) return finish_error(r, "cannot open: " + os_reason(-res));
+        r.fd = res;
+        if (r.done.cancelled()) return finish_quietly(r);
+        r.step = Request::Step::stat;
+        return true;
+      case Request::Step::stat: {
+        if (res < 0) return finish_error(r, "cannot stat: " + os_reason(-res));
+        const uint64_t size = r.stx.stx_size;
+        std::string why = refuse(static_cast<mode_t>(r.stx.stx_mode), size, max_bytes_);
+        if (why.empty()) why = clear_nonblock(r.fd);
+        if (!why.empty()) return finish_error(r, why);
+        if (r.done.cancelled()) return finish_quietly(r);
+        try {
+          r.bytes.resize(static_cast<size_t>(size));
+        } catch (...) {
+          close_fd(r);
+          r.done.fail(std::current_exception());
+          return false;
+        }
+        if (size == 0) return finish(r);
+        r.step = Request::Step::read;
+        return true;
+      }
+      case Request::Step::read:
+        if (res == -EAGAIN || res == -EINTR) return true;  // again, from where it was
+        if (res < 0) return finish_error(r, "cannot read: " + os_reason(-res));
+        if (res == 0) {  // shrank meanwhile
+          r.bytes.resize(r.got);
+          return finish(r);
+        }
+        r.got += static_cast<size_t>(res);
+        if (r.got < r.bytes.size()) return true;
+        return finish(r);
+    }
+    return false;
+  }
+
+  // Prepares the request's current step. Under mutex_.
+  bool submit_step_locked(Request& r) {
+    io_uring_sqe* sqe = sqe_locked();
+    if (!sqe) return finish_error(r, "io_uring: no submission queue entry free");
+    switch (r.step) {
+      case Request::Step::open:
+        break;  // submitted by read()
+      case Request::Step::stat:
+        io_uring_prep_statx(sqe, r.fd, "", AT_EMPTY_PATH, STATX_TYPE | STATX_MODE | STATX_SIZE, &r.stx);
+        break;
+      case Request::Step::read:
+        io_uring_prep_read(sqe, r.fd, r.bytes.data() + r.got, static_cast<unsigned>(std::min<size_t>(
+                                                                   r.bytes.size() - r.got, size_t{1} << 30)),
+                           r.got);
+        break;
+    }
+    io_uring_sqe_set_data(sqe, &r);
+    return true;
+  }
+
+  void close_fd(Request& r) {
+    if (r.fd >= 0) ::close(r.fd);
+    r.fd = -1;
+  }
+  bool finish(Request& r) {
+    close_fd(r);
+    r.done(FileBytes{std::move(r.path), std::move(r.bytes)});
+    return false;
+  }
+  bool finish_error(Request& r, const std::string& why) {
+    close_fd(r);
+    fail(r.done, why, r.path);
+    return false;
+  }
+  bool finish_quietly(Request& r) {  // its pass is over: nobody wants the bytes
+    close_fd(r);
+    return false;
+  }
+
+  uint64_t max_bytes_;
+  io_uring ring_{};
+  bool ring_ready_ = false;
+  std::mutex mutex_;  // the submission queue, outstanding_, stopping_
+  size_t outstanding_ = 0;
+  bool stopping_ = false;
+  bool stop_submitted_ = false;
+  std::thread thread_;
+};
+
+#endif  // CONVEYOR_IO_HAVE_URING
+
+// ---- choosing -------------------------------------------------------------------
+
+struct Probe {
+  bool uring = false;
+  std::string why;  // when not
+};
+
+// Once per process: can this process set up a ring?
+const Probe& probe() {
+  static const Probe result = [] {
+    Probe p;
+#if CONVEYOR_IO_HAVE_URING
+    io_uring ring{};
+    const int rc = io_uring_queue_init(8, &ring, 0);
+    if (rc == 0) {
+      io_uring_queue_exit(&ring);
+      p.uring = true;
+    } else {
+      p.why = "io_uring_queue_init failed: " + os_reason(-rc);
+    }
+#else
+    p.why = "conveyor::io was built without liburing";
+#endif
+    return p;
+  }();
+  return result;
+}
+
+bool env_forbids_uring() {
+  const char* value = std::getenv("CONVEYOR_IO_URING");
+  return value && std::string(value) == "0";
+}
+
+void say_once(const std::string& line) {
+  static std::once_flag once;
+  std::call_once(once, [&] { std::fprintf(stderr, "conveyor: read_files_async: %s\n", line.c_str()); });
+}
+
+std::unique_ptr<FileReader> make_reader(const ReadFilesAsyncOptions& options) {
+  std::string why;
+  if (options.backend == FileIoBackend::threads) {
+    why = "asked for";
+  } else if (options.backend == FileIoBackend::automatic && env_forbids_uring()) {
+    why = "CONVEYOR_IO_URING=0";
+  } else {
+#if CONVEYOR_IO_HAVE_URING
+    unsigned entries = 8;
+    while (entries < static_cast<unsigned>(options.max_in_flight) && entries < 4096) entries *= 2;
+    if (auto reader = UringReader::create(entries, options.max_bytes, why)) {
+      say_once("io_uring");
+      return reader;
+    }
+    if (options.backend == FileIoBackend::io_uring) throw Error("read_files_async: io_uring was asked for, but " + why);
+#else
+    why = probe().why;
+    if (options.backend == FileIoBackend::io_uring) throw Error("read_files_async: io_uring was asked for, but " + why);
+#endif
+  }
+  say_once("a pool of " + std::to_string(options.threads) + " threads (" + why + ")");
+  return std::make_unique<PoolReader>(options.threads, options.max_bytes);
+}
+
+// async_map's fn: starts the backend at the first file (nothing is opened
+// before the first pass asks), then hands it each path.
+struct StartRead {
+  ReadFilesAsyncOptions options;
+  std::shared_ptr<FileReader> reader;
+  void operator()(std::string path, Done done) {
+    if (!reader) reader = make_reader(options);
+    reader->read(std::move(path), std::move(done));
+  }
+};
+
+void validate(const ReadFilesAsyncOptions& options) {
+  auto fail_option = [](const std::string& what) { throw ValueError("read_files_async: " + what); };
+  if (options.max_in_flight < 1 || options.max_in_flight > 65536) {
+    fail_option("max_in_flight should be in [1, 65536], but got " + std::to_string(options.max_in_flight));
+  }
+  if (options.threads < 1 || options.threads > 256) {
+    fail_option("threads should be in [1, 256], but got " + std::to_string(options.threads));
+  }
+  if (options.max_bytes == 0) fail_option("max_bytes should be at least 1");
+  if (options.backend == FileIoBackend::io_uring && !probe().uring) {
+    throw Error("read_files_async: io_uring was asked for, but " + probe().why);
+  }
+}
+
+}  // namespace
+
+std::string file_io_backend() {
+  if (env_forbids_uring()) return "threads (CONVEYOR_IO_URING=0)";
+  return probe().uring ? "io_uring" : "threads (" + probe().why + ")";
+}
+
+std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files_async(ReadFilesAsyncOptions options) {
+  validate(options);
+  return [options](Pipeline<std::string>&& upstream) {
+    using Node = AsyncMap<std::string, FileBytes, StartRead>;
+    return Pipeline<FileBytes>(std::make_unique<Node>(
+        std::move(upstream).release(), StartRead{options, nullptr},
+        AsyncOptions{.max_in_flight = options.max_in_flight, .in_order = options.in_order, .on_error = options.on_error},
+        "read_files_async", detail::AsyncErrors::data_error_as_is));
+  };
+}
+
+}  // namespace conveyor::nodes

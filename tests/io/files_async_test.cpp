@@ -1,0 +1,234 @@
+// read_files_async (conveyor/nodes/files_async.h) on both backends: the
+// thread pool always (forced by option), io_uring where this kernel allows a
+// ring (else those tests skip, saying why). Label "async".
+#include <conveyor/nodes.h>
+#include <conveyor/nodes/files_async.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#if CONVEYOR_IO_TEST_FORMATS
+#include <conveyor/nodes/files.h>
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace nodes = conveyor::nodes;
+using conveyor::DataError;
+using conveyor::OnError;
+using nodes::FileBytes;
+using nodes::FileIoBackend;
+
+class Dir {
+ public:
+  Dir() {
+    char name[] = "/tmp/conveyor-files-async-XXXXXX";
+    path_ = ::mkdtemp(name);
+  }
+  ~Dir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  // A file of `size` bytes, each a function of its name and offset.
+  std::string file(const std::string& name, size_t size) {
+    const std::string path = path_ + "/" + name;
+    std::ofstream out(path, std::ios::binary);
+    for (size_t i = 0; i < size; ++i) out.put(static_cast<char>((i * 131 + name.size() * 7) & 0xff));
+    return path;
+  }
+  std::string path(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<uint8_t> contents(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+class ReadFilesAsync : public ::testing::TestWithParam<FileIoBackend> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == FileIoBackend::io_uring && nodes::file_io_backend() != "io_uring") {
+      GTEST_SKIP() << "io_uring is not usable here: " << nodes::file_io_backend();
+    }
+  }
+  nodes::ReadFilesAsyncOptions options(int max_in_flight = 16) const {
+    return {.max_in_flight = max_in_flight, .backend = GetParam()};
+  }
+};
+
+TEST_P(ReadFilesAsync, ReadsEveryFileInOrder) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (size_t size : {0, 1, 511, 4096, 4097, 65536, 1 << 20, 3}) {
+    paths.push_back(dir.file("f" + std::to_string(paths.size()) + ".bin", size));
+  }
+  for (int i = 0; i < 100; ++i) paths.push_back(dir.file("small" + std::to_string(i), static_cast<size_t>(i * 37)));
+  auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(options(8));
+  for (int pass = 0; pass < 2; ++pass) {
+    size_t k = 0;
+    for (FileBytes& file : pipeline.pass()) {
+      ASSERT_LT(k, paths.size());
+      EXPECT_EQ(file.path, paths[k]);
+      EXPECT_EQ(file.bytes, contents(paths[k])) << paths[k];
+      ++k;
+    }
+    EXPECT_EQ(k, paths.size());
+  }
+  const auto metrics = pipeline.metrics();
+  EXPECT_EQ(metrics.back().name, "read_files_async(max_in_flight=8)");
+  EXPECT_EQ(metrics.back().items_out, paths.size());
+  EXPECT_EQ(metrics.back().window, 8u);
+}
+
+TEST_P(ReadFilesAsync, OutOfOrderGivesTheSameFiles) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 200; ++i) paths.push_back(dir.file("g" + std::to_string(i), static_cast<size_t>(i * 101)));
+  auto opts = options(32);
+  opts.in_order = false;
+  auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(opts);
+  std::vector<std::string> seen;
+  for (FileBytes& file : pipeline.pass()) {
+    EXPECT_EQ(file.bytes, contents(file.path));
+    seen.push_back(file.path);
+  }
+  std::sort(seen.begin(), seen.end());
+  std::sort(paths.begin(), paths.end());
+  EXPECT_EQ(seen, paths);
+}
+
+TEST_P(ReadFilesAsync, RefusesWhatReadFilesRefusesNamingThePath) {
+  Dir dir;
+  const std::string good = dir.file("good", 10);
+  const std::string big = dir.file("big", 1001);
+  const std::string missing = dir.path("missing");
+  const std::string fifo = dir.path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);  // no writer: opening it must not wait
+  const std::string directory = dir.path("sub");
+  fs::create_directory(directory);
+  auto opts = options();
+  opts.max_bytes = 1000;
+  auto pipeline = nodes::from_vector(std::vector<std::string>{good, missing, fifo, directory, big, good}) |
+                  nodes::read_files_async(opts);
+  auto pass = pipeline.pass();
+  EXPECT_EQ(pass.next()->bytes.size(), 10u);
+  auto expect_error = [&](const std::string& path, const std::string& why) {
+    try {
+      pass.next();
+      ADD_FAILURE() << "no error for " << path;
+    } catch (const DataError& e) {
+      EXPECT_EQ(e.file(), path);
+      EXPECT_EQ(std::string(e.what()), path + ": " + why);
+    }
+  };
+  expect_error(missing, "cannot open: No such file or directory");
+  expect_error(fifo, "not a regular file (a FIFO (named pipe))");
+  expect_error(directory, "not a regular file (a directory)");
+  expect_error(big, "the file holds 1001 bytes, more than read_files_async's max_bytes 1000");
+  EXPECT_EQ(pass.next()->path, good);
+  EXPECT_EQ(pass.next(), std::nullopt);
+}
+
+TEST_P(ReadFilesAsync, SkipCountsTheRefused) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 30; ++i) {
+    paths.push_back(i % 3 == 0 ? dir.path("absent" + std::to_string(i)) : dir.file("h" + std::to_string(i), 100));
+  }
+  auto opts = options(4);
+  opts.on_error = OnError::skip;
+  auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(opts);
+  size_t n = 0;
+  for (FileBytes& file : pipeline.pass()) {
+    EXPECT_EQ(file.bytes.size(), 100u);
+    ++n;
+  }
+  EXPECT_EQ(n, 20u);
+  EXPECT_EQ(pipeline.metrics().back().skipped, 10u);
+}
+
+TEST_P(ReadFilesAsync, ResetAndDestructionWithReadsInFlight) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 300; ++i) paths.push_back(dir.file("r" + std::to_string(i), 20000));
+  for (int round = 0; round < 5; ++round) {
+    auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(options(64));
+    {
+      auto pass = pipeline.pass();
+      for (int k = 0; k < 3 * round; ++k) ASSERT_TRUE(pass.next());
+    }
+    // A new pass abandons the window with reads in flight; it starts over.
+    auto pass = pipeline.pass();
+    for (size_t k = 0; k < 10; ++k) {
+      auto file = pass.next();
+      ASSERT_TRUE(file);
+      EXPECT_EQ(file->path, paths[k]);
+      EXPECT_EQ(file->bytes, contents(paths[k]));
+    }
+    // The node goes with reads in flight: its destructor waits for them.
+  }
+}
+
+#if CONVEYOR_IO_TEST_FORMATS
+TEST_P(ReadFilesAsync, GivesWhatReadFilesGives) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 50; ++i) paths.push_back(dir.file("c" + std::to_string(i), static_cast<size_t>(i * i * 13)));
+  auto async = nodes::from_vector(paths) | nodes::read_files_async(options(8));
+  auto serial = nodes::from_vector(paths) | nodes::read_files();
+  auto a = async.pass();
+  auto s = serial.pass();
+  while (true) {
+    auto x = a.next();
+    auto y = s.next();
+    ASSERT_EQ(x.has_value(), y.has_value());
+    if (!x) break;
+    EXPECT_EQ(x->path, y->path);
+    EXPECT_EQ(x->bytes, y->bytes);
+  }
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Backends, ReadFilesAsync, ::testing::Values(FileIoBackend::threads, FileIoBackend::io_uring),
+                         [](const ::testing::TestParamInfo<FileIoBackend>& info) {
+                           return info.param == FileIoBackend::threads ? "threads" : "io_uring";
+                         });
+
+TEST(ReadFilesAsyncOptions, OutOfRangeNamesTheValue) {
+  try {
+    nodes::read_files_async({.max_in_flight = 0});
+    ADD_FAILURE();
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(), "read_files_async: max_in_flight should be in [1, 65536], but got 0");
+  }
+  try {
+    nodes::read_files_async({.threads = 300});
+    ADD_FAILURE();
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(), "read_files_async: threads should be in [1, 256], but got 300");
+  }
+  EXPECT_THROW(nodes::read_files_async({.max_bytes = 0}), conveyor::ValueError);
+}
+
+TEST(ReadFilesAsyncOptions, TheBackendIsNamed) {
+  const std::string backend = nodes::file_io_backend();
+  std::printf("file_io_backend(): %s\n", backend.c_str());
+  EXPECT_TRUE(backend == "io_uring" || backend.rfind("threads (", 0) == 0) << backend;
+  if (backend != "io_uring") {
+    EXPECT_THROW(nodes::read_files_async({.backend = FileIoBackend::io_uring}), conveyor::Error);
+  }
+}
+
+}  // namespace

@@ -271,8 +271,13 @@ struct Job {
   conveyor::distributed::Group* group = nullptr;
 #endif
   // Samples this rank reads in the current epoch (after set_epoch), before
-  // --limit; set under --distributed only.
+  // --limit, and the batches of `batch_size` they make: an iterable dataset
+  // is batched per worker (PyTorch's rule), so shards split across workers
+  // make more batches than samples / batch_size. Set under --distributed only.
   std::function<size_t()> local_samples;
+  std::function<size_t(size_t batch_size)> local_batches;
+  // The tar shards this rank reads in the current epoch (--source shards).
+  std::function<std::string()> local_shards;
 
   bool distributed() const {
 #if CONVEYOR_HAVE_DISTRIBUTED
@@ -423,15 +428,21 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
     // with more would wait forever in its last allreduce. A rank with fewer
     // batches pads by starting its share again, as DistributedSampler pads.
     size_t agreed_steps = std::numeric_limits<size_t>::max();
+    size_t local = 0, local_batches = 0, fewest = 0, padded = 0, read = 0;
+    bool padding = false;  // on a second pass over this rank's share
 #if CONVEYOR_HAVE_DISTRIBUTED
     if (job.distributed()) {
-      size_t local = job.local_samples();
+      local = job.local_samples();
+      const size_t batch = static_cast<size_t>(flags.batch_size);
+      local_batches = job.local_batches(batch);
       if (flags.limit > 0) {
         const size_t world = static_cast<size_t>(job.world);
         local = std::min(local, (static_cast<size_t>(flags.limit) + world - 1) / world);
+        local_batches = std::min(local_batches, (local + batch - 1) / batch);
       }
-      const size_t batch = static_cast<size_t>(flags.batch_size);
-      agreed_steps = job.group->agree_batch_count((local + batch - 1) / batch).agreed;
+      const conveyor::distributed::BatchCounts counts = job.group->agree_batch_count(local_batches);
+      agreed_steps = counts.agreed;
+      fewest = counts.fewest;
     }
 #endif
     auto pass = loader.iter();
@@ -443,6 +454,7 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
         { auto finished = std::move(pass); }
         pass = loader.iter();
         batch = pass.next();
+        padding = true;
       }
       waited += std::chrono::duration<double>(Clock::now() - asked).count();
       if (!batch) {
@@ -467,11 +479,24 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
       fingerprint.add(value);
       running_loss = steps == 0 ? value : 0.98 * running_loss + 0.02 * value;
       ++steps;
+      if (padding) {
+        ++padded;
+      } else {
+        read += static_cast<size_t>(y.size(0));  // of this rank's share, first time round
+      }
       done += samples;
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (job.lead()) progress.update(done, seconds, running_loss, seconds > 0 ? waited / seconds : 0);
       // Under --distributed the agreed step count is the limit.
       if (!job.distributed() && flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
+    }
+    if (job.distributed()) {
+      // Every rank, one line: what it read and how many steps it ran (the
+      // same on every rank, or the job would hang), for the tests and logs.
+      std::printf("rank %d: epoch %d: samples=%zu read=%zu batches=%zu steps=%zu fewest=%zu most=%zu padded=%zu%s%s\n",
+                  job.rank, epoch + 1, local, read, local_batches, steps, fewest, agreed_steps, padded,
+                  job.local_shards ? " shards=" : "", job.local_shards ? job.local_shards().c_str() : "");
+      std::fflush(stdout);
     }
     if (!job.lead()) continue;  // rank 0 alone reports and evaluates
     progress.finish();
@@ -573,6 +598,7 @@ int main(int argc, char** argv) {
       if (job.distributed()) {
         const size_t share = conveyor::DistributedSampler(train_set->size(), job.world, job.rank).size();
         job.local_samples = [share] { return share; };
+        job.local_batches = [share](size_t batch) { return (share + batch - 1) / batch; };
       }
       return train(flags, job, conveyor::map(train_set, augment), test_loader, samples);
     }
@@ -594,10 +620,30 @@ int main(int argc, char** argv) {
     shard_options.rank = job.rank;
     auto shards = std::make_shared<conveyor::TarShardDataset>(shard_options);
     if (job.distributed()) {
-      job.local_samples = [shards, counts = count_shard_samples(shard_options)] {
+      auto counts = std::make_shared<const std::map<std::string, size_t>>(count_shard_samples(shard_options));
+      auto samples_of = [shards, counts](const conveyor::WorkerInfo* worker) {
         size_t n = 0;
-        for (const std::string& shard : shards->shards_for(nullptr)) n += counts.at(shard);
+        for (const std::string& shard : shards->shards_for(worker)) n += counts->at(shard);
         return n;
+      };
+      job.local_samples = [samples_of] { return samples_of(nullptr); };
+      job.local_batches = [samples_of, workers = flags.workers](size_t batch) {
+        if (workers == 0) return (samples_of(nullptr) + batch - 1) / batch;
+        size_t batches = 0;
+        for (int id = 0; id < workers; ++id) {
+          conveyor::WorkerInfo worker;
+          worker.id = id;
+          worker.num_workers = workers;
+          batches += (samples_of(&worker) + batch - 1) / batch;
+        }
+        return batches;
+      };
+      job.local_shards = [shards] {
+        std::string names;
+        for (const std::string& shard : shards->shards_for(nullptr)) {
+          names += (names.empty() ? "" : ",") + std::filesystem::path(shard).filename().string();
+        }
+        return names;
       };
     }
     auto decoded = conveyor::map(shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },

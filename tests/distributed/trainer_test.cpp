@@ -1,15 +1,24 @@
 // The main job on 2 real ranks: train_fashion_mnist --distributed, started
-// twice with torchrun's variables on 127.0.0.1 (a free port each time) and a
+// with torchrun's variables on 127.0.0.1 (a free port each time) and a
 // deadline that kills what is left. Both ranks must exit 0, rank 0 alone must
-// report, and the rerun must print the same loss-curve fingerprint.
+// report, and the rerun must print the same loss-curve fingerprint; on tar
+// shards of uneven sizes every rank must run the same number of steps.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include <conveyor/idx.h>
+#include <conveyor/image.h>
+#include <conveyor/tar_shards.h>
 
 #include "distributed/launcher.h"
 
@@ -67,6 +76,110 @@ TEST(DistributedTrainer, TwoRanksAgreeAndRerunIdentically) {
                 fingerprints.back().c_str());
   }
   EXPECT_EQ(fingerprints[0], fingerprints[1]);
+}
+
+// "rank R: epoch E: key=value ..." lines, the trainer's per-rank account
+// of an epoch under --distributed: by (rank, epoch), key -> value.
+using EpochLines = std::map<std::pair<int, int>, std::map<std::string, std::string>>;
+
+EpochLines epoch_lines(const std::string& output) {
+  static const std::regex line(R"(rank (\d+): epoch (\d+): (.*))");
+  EpochLines out;
+  std::istringstream lines(output);
+  for (std::string text; std::getline(lines, text);) {
+    std::smatch match;
+    if (!std::regex_search(text, match, line)) continue;
+    auto& fields = out[{std::stoi(match[1]), std::stoi(match[2])}];
+    std::istringstream items(match[3].str());
+    for (std::string item; items >> item;) {
+      const size_t eq = item.find('=');
+      if (eq != std::string::npos) fields[item.substr(0, eq)] = item.substr(eq + 1);
+    }
+  }
+  return out;
+}
+
+std::set<std::string> split(const std::string& csv) {
+  std::set<std::string> out;
+  std::istringstream in(csv);
+  for (std::string item; std::getline(in, item, ',');) out.insert(item);
+  return out;
+}
+
+TEST(DistributedTrainer, UnevenShardsGiveEveryRankTheSameStepCount) {
+  if (!std::filesystem::exists(kData + "/train-images-idx3-ubyte") &&
+      !std::filesystem::exists(kData + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "Fashion-MNIST is not at " << kData;
+  }
+  // Three shards of 200, 200 and 100 samples: rank 0 reads two of them,
+  // rank 1 one, whatever each epoch's shard order. With 2 workers per rank
+  // each worker batches its own shard (PyTorch's rule for iterable data
+  // sets): rank 0 has 4 + 4 or 4 + 2 batches of 64 (more than 400 / 64 or
+  // 300 / 64), rank 1 4 or 2. Without agreement rank 0 would wait in an
+  // allreduce rank 1 never joins; counting samples / batch it would stop
+  // before the end of its share.
+  const size_t kSamples = 500, kPerShard = 200;
+  char dir_template[] = "/tmp/conveyor-uneven-shards-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  {
+    conveyor::IdxImageDataset train = conveyor::IdxImageDataset::from_directory(kData, true);
+    conveyor::TarShardWriter writer(dir + "/train-", kPerShard);
+    for (size_t i = 0; i < kSamples; ++i) {
+      conveyor::LabeledImage sample = train.get(i);
+      const std::string key = std::to_string(i), label = std::to_string(sample.label);
+      writer.write(key, {{"jpg", conveyor::encode_jpeg(sample.image, 95)},
+                         {"cls", std::vector<uint8_t>(label.begin(), label.end())}});
+    }
+    ASSERT_EQ(writer.close().size(), 3u);
+    std::ofstream(dir + "/COMPLETE");  // the trainer's mark of a finished shard set
+  }
+  const std::set<std::string> all_shards = {"train-000000.tar", "train-000001.tar",
+                                            "train-000002.tar"};
+  for (const std::string& shard : all_shards) ASSERT_TRUE(std::filesystem::exists(dir + "/" + shard));
+
+  const int kEpochs = 2;
+  const uint16_t port = conveyor::test::free_port();
+  std::printf("MASTER_PORT=%u, seed 0\n", port);
+  const LaunchResult result =
+      launch(kTrainer,
+             {"--distributed", "--source", "shards", "--shards", dir, "--epochs", std::to_string(kEpochs),
+              "--batch-size", "64", "--workers", "2", "--threads", "1", "--seed", "0", "--data", kData},
+             2, port, std::chrono::seconds(150));
+  std::filesystem::remove_all(dir);
+  for (const auto& rank : result.ranks) {
+    ASSERT_FALSE(rank.killed_at_deadline) << result.describe();
+    ASSERT_EQ(rank.exit_code, 0) << result.describe();
+  }
+  const EpochLines lines = epoch_lines(result.ranks[0].output + result.ranks[1].output);
+  for (int epoch = 1; epoch <= kEpochs; ++epoch) {
+    ASSERT_TRUE(lines.count({0, epoch}) && lines.count({1, epoch})) << result.describe();
+    const auto& zero = lines.at({0, epoch});
+    const auto& one = lines.at({1, epoch});
+    // Each rank's shards: disjoint, together every shard; their samples, all.
+    const std::set<std::string> shards0 = split(zero.at("shards")), shards1 = split(one.at("shards"));
+    std::set<std::string> both = shards0;
+    both.insert(shards1.begin(), shards1.end());
+    EXPECT_EQ(shards0.size() + shards1.size(), both.size()) << "a shard read twice\n" << result.describe();
+    EXPECT_EQ(both, all_shards) << result.describe();
+    EXPECT_EQ(std::stoul(zero.at("samples")) + std::stoul(one.at("samples")), kSamples) << result.describe();
+    // Each rank trained on the whole of its share before padding.
+    EXPECT_EQ(zero.at("read"), zero.at("samples")) << result.describe();
+    EXPECT_EQ(one.at("read"), one.at("samples")) << result.describe();
+    const size_t batches0 = std::stoul(zero.at("batches")), batches1 = std::stoul(one.at("batches"));
+    ASSERT_GT(batches0, batches1) << "the shards must be uneven for this test to mean anything\n"
+                                  << result.describe();
+    // The same number of steps on both ranks: the most; the short rank pads.
+    EXPECT_EQ(zero.at("steps"), std::to_string(batches0)) << result.describe();
+    EXPECT_EQ(one.at("steps"), std::to_string(batches0)) << result.describe();
+    EXPECT_EQ(zero.at("padded"), "0") << result.describe();
+    EXPECT_EQ(one.at("padded"), std::to_string(batches0 - batches1)) << result.describe();
+    std::printf("epoch %d: rank 0 %s (%zu batches), rank 1 %s (%zu batches), %s steps each\n", epoch,
+                zero.at("shards").c_str(), batches0, one.at("shards").c_str(), batches1,
+                one.at("steps").c_str());
+  }
+  EXPECT_NE(result.ranks[0].output.find("final: 2 epochs"), std::string::npos) << result.describe();
+  std::printf("%.1f s\n", static_cast<double>(result.elapsed.count()) / 1000);
 }
 
 }  // namespace

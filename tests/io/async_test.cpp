@@ -81,7 +81,8 @@ class Completer {
         continue;
       }
       if (!stopping_ && jobs_.top().when > std::chrono::steady_clock::now()) {
-        wake_.wait_until(lock, jobs_.top().when);  // the job's latency: the workload, not a race fix
+        const auto when = jobs_.top().when;  // a copy: a push while we wait may move the heap
+        wake_.wait_until(lock, when);        // the job's latency: the workload, not a race fix
         continue;
       }
       Job job = jobs_.top();

@@ -14,7 +14,16 @@
 //   shard paths | untar (streamed) | group_by_key | map(decode + augment, W workers)
 //          | batch | collate
 // the serial nodes on the consumer's thread, map on W engine workers.
+//
+// W3 with --pipeline async (peer "conveyor-async", W3-async): the same 1 ms
+// per sample through the async interface instead of a sleeping worker each:
+//   from_range | async_map(start a 1 ms timer, max_in_flight = --in-flight)
+//          | batch | collate
+// on two threads: the consumer's (every node) and one timer thread
+// completing requests at their deadlines (deadline_timer.h).
 #include <conveyor/conveyor.h>
+#include <conveyor/nodes.h>
+#include <conveyor/nodes/async.h>
 #if CONVEYOR_PERF_HAVE_FORMATS
 #include <conveyor/idx.h>
 #include <conveyor/image.h>
@@ -27,7 +36,10 @@
 #include <cstring>
 #include <memory>
 
+#include <fstream>
+
 #include "conveyor_run.h"
+#include "deadline_timer.h"
 #include "workloads.h"
 
 namespace {
@@ -141,6 +153,54 @@ int run_w5_nodes(perf::Args args) {
 }
 #endif
 
+// The process's thread count now (/proc/self/status "Threads:").
+int thread_count() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
+int run_w3_async(perf::Args args) {
+  namespace nodes = conveyor::nodes;
+  perf::DeadlineTimer<int64_t> timer;
+  auto pipeline = nodes::from_range(0, static_cast<int64_t>(args.samples)) |
+                  nodes::async_map<int64_t>(
+                      [&timer](int64_t index, nodes::Completion<int64_t> done) {
+                        timer.complete_at(perf::Clock::now() + perf::kW3Sleep, std::move(done), index);
+                      },
+                      {.max_in_flight = args.in_flight}) |
+                  nodes::batch(static_cast<size_t>(args.batch_size)) | nodes::collate();
+  using Pass = decltype(pipeline.pass());
+  std::optional<Pass> pass;
+  int threads = 0;
+  perf::Result result = perf::drive(
+      args,
+      [&] {
+        pass.reset();
+        pass.emplace(pipeline.pass());
+      },
+      [&](size_t& samples) {
+        auto batch = pass->next();
+        if (!batch) return false;
+        samples = perf::batch_length(*batch);
+        return true;
+      },
+      [&] { threads = thread_count(); });
+  const auto metrics = pipeline.metrics();  // from_range, async_map, batch, collate
+  pass.reset();
+  result.peer = "conveyor-async";
+  char extra[256];
+  std::snprintf(extra, sizeof extra,
+                ",\"in_flight\":%d,\"threads\":%d,\"timer_lateness_us\":%.3f,\"mean_in_flight\":%.2f",
+                args.in_flight, threads, timer.mean_lateness_us(), metrics[1].mean_in_flight);
+  result.extra = extra;
+  print_result(args, result);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,6 +218,7 @@ int main(int argc, char** argv) {
       SpinDataset dataset{args.samples, args.w2_iterations};
       return perf::run_conveyor(args, dataset, "conveyor", ",\"w2_iterations\":" + std::to_string(args.w2_iterations));
     }
+    if (args.workload == "W3" && args.pipeline == "async") return run_w3_async(args);
     if (args.workload == "W3") {
       SleepDataset dataset{args.samples};
       return perf::run_conveyor(args, dataset, "conveyor");

@@ -19,6 +19,7 @@ import sys
 import w4_model  # beside this file
 
 MIB = 1024 * 1024
+W3_LATENCY_US = 1000.0  # W3's nominal latency per sample
 ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
 PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "libtorch", "python"]
 CONVEYORS = ("conveyor", "conveyor-torch")
@@ -115,7 +116,65 @@ class Report:
         return config.rate() if config else None
 
     def workers_of(self, workload):
-        return sorted({key[2] for key in self.configs if key[1] == workload})
+        # conveyor-async's column is requests in flight: its own table (W3-async).
+        return sorted({key[2] for key in self.configs if key[1] == workload and key[0] != "conveyor-async"})
+
+    # ---- W3-async: async_map with N requests in flight on <= 2 threads -------
+
+    def async_rows(self):
+        """(in_flight, config, bound, latency_bound, cpu_bound, cpu_us_per_sample) per measured in-flight."""
+        rows = []
+        for key in sorted(self.configs):
+            if key[0] != "conveyor-async" or key[1] != "W3":
+                continue
+            config = self.configs[key]
+            if not config.results:
+                rows.append((key[2], config, None, None, None, None))
+                continue
+            in_flight = key[2]
+            rate = config.rate()
+            cpu = config.cpu_per_timed_second()
+            threads = median(config.values("threads")) or 2
+            latency_bound = in_flight * 1e6 / W3_LATENCY_US
+            cpu_us = cpu / rate * 1e6 if cpu and rate else None
+            # What the CPU allows: the cores the peer's threads can use, each
+            # spending the measured CPU per sample.
+            cpu_bound = min(threads, self.cores) * 1e6 / cpu_us if cpu_us else None
+            bound = min(latency_bound, cpu_bound) if cpu_bound else latency_bound
+            rows.append((in_flight, config, bound, latency_bound, cpu_bound, cpu_us))
+        return rows
+
+    def async_table(self):
+        torch = self.get("libtorch", "W3", 64)
+        torch_rate = torch.rate() if torch else None
+        torch_cpu = torch.cpu_per_timed_second() if torch else None
+        lines = ["The W3 workload (1 ms per sample) through `async_map`: each sample is a request completed "
+                 "1 ms later by ONE timer thread (a deadline heap, perf/peers/deadline_timer.h), up to N in "
+                 "flight; from_range | async_map | batch(32) | collate on the consumer's thread. Two threads in "
+                 "all. Bound: min(N / 1 ms, what the CPU allows = min(threads, cores) / CPU per sample). "
+                 "LibTorch: its DataLoader with 64 worker threads sleeping 1 ms each, same run.", "",
+                 "| peer | in flight | threads | samples/s (median) | min-max | CPU/s | CPU per sample | "
+                 "N / 1 ms | CPU bound | bound | peer/bound | vs LibTorch W=64 | timer lateness |",
+                 "|" + "---|" * 13]
+        for in_flight, config, bound, latency_bound, cpu_bound, cpu_us in self.async_rows():
+            if bound is None:
+                lines.append(f"| conveyor-async | {in_flight} | | failed | | | | | | | | | |")
+                continue
+            rate = config.rate()
+            low, high = config.rate_range()
+            threads = median(config.values("threads"))
+            lateness = median(config.values("timer_lateness_us"))
+            lines.append(f"| conveyor-async | {in_flight} | {threads:.0f} | {fmt_rate(rate)} | "
+                         f"{fmt_rate(low)}-{fmt_rate(high)} | {config.cpu_per_timed_second():.2f} | {cpu_us:.2f} us | "
+                         f"{fmt_rate(latency_bound)} | {fmt_rate(cpu_bound)} | {fmt_rate(bound)} | "
+                         f"{fmt_ratio(rate / bound)} | {fmt_ratio(rate / torch_rate) if torch_rate else '-'} | "
+                         f"{fmt_us(lateness)} |")
+        if torch_rate:
+            low, high = torch.rate_range()
+            cpu_us = torch_cpu / torch_rate * 1e6 if torch_cpu else None
+            lines.append(f"| libtorch | 64 workers | - | {fmt_rate(torch_rate)} | {fmt_rate(low)}-{fmt_rate(high)} | "
+                         f"{torch_cpu:.2f} | {cpu_us:.2f} us | {fmt_rate(64 * 1e6 / W3_LATENCY_US)} | | | | | |")
+        return lines
 
     def conveyor_modes(self, workload, workers, peer="conveyor"):
         return [key[3] for key in sorted(self.configs)
@@ -309,6 +368,19 @@ class Report:
                           limit("W2"), 0.97)
         self.ratio_target("native samples: W3 >= 0.97x the limit at W=64", "W3", [64], conveyor("W3"), limit("W3"),
                           0.97)
+        parts, verdicts = [], []
+        torch_rate = self.rate("libtorch", "W3", 64)
+        for in_flight, config, bound, _, _, cpu_us in self.async_rows():
+            if bound is None:
+                continue
+            rate = config.rate()
+            threads = median(config.values("threads"))
+            parts.append(f"{in_flight} in flight: {rate:,.0f}/s = {rate / bound:.2f}x the bound ({bound:,.0f}/s), "
+                         f"{threads:.0f} threads, {cpu_us:.2f} us CPU per sample"
+                         + (f", {rate / torch_rate:.2f}x LibTorch W=64" if torch_rate else ""))
+            verdicts.append(rate >= 0.9 * bound and threads <= 2)
+        self.target("W3-async: async_map >= 0.9x min(in_flight / 1 ms, CPU) at 256 and 1024 in flight on <= 2 threads",
+                    "; ".join(parts) or "-", all(verdicts) if verdicts else None)
         # W4: throughput and tail together, in the best of native conveyor's modes.
         parts, verdicts = [], []
         for workers in self.workers_of("W4"):
@@ -411,6 +483,9 @@ class Report:
                             rows.append(f"{p} W={workers}: {1e9 / median(config.values('batches_per_s')):,.0f} ns/batch")
                 out += ["Time per batch: " + "; ".join(rows) + ".", ""]
             out += self.table(workload) + [""]
+            if workload == "W3" and self.async_rows():
+                out += ["### W3-async: the same 1 ms per sample through the async interface", ""]
+                out += self.async_table() + [""]
             if workload == "W4":
                 out += self.w4_floor() + [""]
         out += ["## conveyor's own metrics (Epoch::metrics(), timed phase, median over repetitions)", ""]

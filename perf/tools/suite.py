@@ -54,6 +54,9 @@ W1_SAMPLES = 10000
 W1_SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
 W5_SAMPLE_BYTES = 28 * 28 * 4 + 8
 W3_LATENCY_US = 1000.0
+# W3-async (peer conveyor-async): requests in flight through async_map, on the
+# consumer's thread and one timer thread.
+ASYNC_IN_FLIGHT = [256, 1024]
 W4_MEAN_US = 0.99 * 50.0 + 0.01 * 20000.0  # 249.5 us
 MIB = 1024 * 1024
 
@@ -66,7 +69,8 @@ class Suite:
         self.seconds = env_float("PERF_SECONDS", 2.0)
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
-        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "libtorch", "python"])
+        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-async",
+                                             "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
@@ -93,6 +97,9 @@ class Suite:
             common += ["--shards", ",".join(self.shards)]
         if peer == "conveyor-nodes":
             return [self.binary("conveyor_driver")] + common + ["--pipeline", "nodes"]
+        if peer == "conveyor-async":  # `workers` is the requests in flight
+            common[common.index("--workers") + 1] = "0"
+            return [self.binary("conveyor_driver")] + common + ["--pipeline", "async", "--in-flight", str(workers)]
         if peer in ("conveyor", "conveyor-torch"):
             driver = "conveyor_driver" if peer == "conveyor" else "conveyor_torch_driver"
             command = [self.binary(driver)] + common
@@ -106,8 +113,10 @@ class Suite:
         return [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py")] + common
 
     def available(self, peer, workload):
-        if peer in ("conveyor", "conveyor-nodes") and not self.binary("conveyor_driver"):
+        if peer in ("conveyor", "conveyor-nodes", "conveyor-async") and not self.binary("conveyor_driver"):
             return "conveyor_driver was not built"
+        if peer == "conveyor-async" and workload != "W3":
+            return "the async peer runs W3 only (W3-async)"
         if peer == "conveyor-nodes" and workload != "W5":
             return "the node-graph peer runs W5 only"
         if peer == "conveyor-torch":
@@ -234,6 +243,8 @@ class Suite:
                     jobs.append(("memcpy", f"W1 memcpy limit threads={max(1, workers)}",
                                  {"peer": "memcpy", "workload": "W1", "workers": workers}, command))
                 for peer in self.peers:
+                    if peer == "conveyor-async":
+                        continue  # by requests in flight, below
                     why = self.available(peer, workload)
                     if why:
                         note = f"{workload} {peer}: not run: {why}"
@@ -255,6 +266,17 @@ class Suite:
                                 "mode": f"{scheduling}, in_order={'on' if in_order else 'off'}" if scheduling else ""}
                         jobs.append((f"{peer}:{workload}", label, meta,
                                      self.driver_command(peer, workload, workers, scheduling, in_order)))
+            if "conveyor-async" in self.peers:
+                why = self.available("conveyor-async", workload)
+                if why:
+                    if workload == "W3":
+                        self.notes.append(f"W3 conveyor-async: not run: {why}")
+                    continue
+                for in_flight in ASYNC_IN_FLIGHT:
+                    meta = {"peer": "conveyor-async", "workload": workload, "workers": in_flight,
+                            "mode": f"{in_flight} in flight"}
+                    jobs.append(("conveyor-async:W3", f"W3-async conveyor-async in_flight={in_flight}", meta,
+                                 self.driver_command("conveyor-async", workload, in_flight)))
         return jobs
 
     def run(self):

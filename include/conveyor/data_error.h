@@ -16,10 +16,13 @@ class DataError : public Error {
  public:
   DataError(const std::string& what, std::string file, std::string member = {}, int64_t sample = -1)
       : Error(describe(what, file, member, sample)),
+        reason_(what),
         file_(std::move(file)),
         member_(std::move(member)),
         sample_(sample) {}
 
+  // What is wrong, without where (what() says both).
+  const std::string& reason() const noexcept { return reason_; }
   const std::string& file() const noexcept { return file_; }
   const std::string& member() const noexcept { return member_; }
   int64_t sample() const noexcept { return sample_; }  // -1: not known
@@ -33,6 +36,7 @@ class DataError : public Error {
     return text + ": " + what;
   }
 
+  std::string reason_;
   std::string file_;
   std::string member_;
   int64_t sample_;

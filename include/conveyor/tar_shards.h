@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "conveyor/byte_stream.h"
 #include "conveyor/data_error.h"
 #include "conveyor/dataset.h"
 #include "conveyor/idx.h"
@@ -36,8 +37,9 @@ struct ShardSample {
 inline constexpr uint64_t kDefaultMaxSampleBytes = uint64_t{1} << 30;
 
 struct TarShardOptions {
-  // Paths; see expand_shard_pattern(). Each must name a regular file: a
-  // device, a FIFO or a directory is a DataError when its turn comes.
+  // Paths, or URLs read through `open`; see expand_shard_pattern(). A path
+  // must name a regular file: a device, a FIFO or a directory is a
+  // DataError when its turn comes.
   std::vector<std::string> shards;
   // Reshuffle the shard order every epoch (Generator(seed + epoch), the same
   // on every rank), before shards are split across ranks and workers.
@@ -61,6 +63,10 @@ struct TarShardOptions {
   // bounds its memory whatever sizes the tar headers claim. A sample over it
   // is a DataError, raised from the member's header before its data is read.
   uint64_t max_sample_bytes = kDefaultMaxSampleBytes;
+  // Opens each shard as a stream (nodes::http_opener() for http(s):// URLs,
+  // conveyor/nodes/http.h); a shard it declines, or every shard when unset,
+  // is read as a local file. Shared by the workers: see StreamOpener.
+  StreamOpener open;
 };
 
 // An IterableDataset over tar shards. Each replica (one per worker) reads its

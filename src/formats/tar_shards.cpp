@@ -25,14 +25,13 @@
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/image.h"
-#include "regular_file.h"
+#include "conveyor/nodes/files.h"
+#include "conveyor/nodes/sources.h"
 #include "tar_source.h"
 
 namespace conveyor {
 namespace {
 
-using detail::kTarBlockBytes;
-using detail::TarSource;
 // Writers stamp every member with this mtime so the same samples always make
 // the same bytes.
 constexpr time_t kFixedMtime = 0;
@@ -40,302 +39,22 @@ constexpr time_t kFixedMtime = 0;
 // as {0..999999999} would otherwise exhaust memory).
 constexpr size_t kMaxExpandedPaths = 10'000'000;
 
-using detail::open_regular_file;
-using detail::OpenedFile;
-using detail::os_reason;
-
-// ARCHIVE_WARN still delivers the entry; everything else but OK is a
-// failure. ARCHIVE_RETRY (a damaged header, which libarchive would skip
-// block by block to the next plausible one) ranks above WARN numerically, so
-// `status < ARCHIVE_WARN` would let it through and lose members silently.
-bool succeeded(int status) { return status == ARCHIVE_OK || status == ARCHIVE_WARN; }
-
-std::string archive_reason(struct archive* archive) {
-  const char* reason = archive != nullptr ? archive_error_string(archive) : nullptr;
-  return reason != nullptr ? reason : "unknown libarchive error";
+// The shard reader: untar straight into group_by_key, which checks each
+// member's size from its header (max_sample_bytes bounds untar too). Both
+// raise: the callers count what they skip.
+template <class Input>
+Pipeline<ShardSample> shard_reader(Pipeline<Input>&& archives,
+                                   const std::vector<std::string>& required_fields,
+                                   uint64_t max_sample_bytes, StreamOpener open = {}) {
+  return std::move(archives) | nodes::untar({.max_member_bytes = max_sample_bytes, .open = std::move(open)}) |
+         nodes::group_by_key({.required_fields = required_fields, .max_sample_bytes = max_sample_bytes});
 }
 
-struct ArchiveReadFree {
-  void operator()(struct archive* archive) const noexcept { archive_read_free(archive); }
-};
-using ReadArchive = std::unique_ptr<struct archive, ArchiveReadFree>;
+using detail::archive_reason;
+using detail::succeeded;
 
 struct ArchiveEntryFree {
   void operator()(struct archive_entry* entry) const noexcept { archive_entry_free(entry); }
-};
-
-// A regular member whose header is read and whose data is not yet.
-struct Member {
-  std::string name;   // "a/b/000123.seg.png"
-  std::string key;    // "a/b/000123"
-  std::string field;  // "seg.png"
-  bool valid_name = true;
-  bool sparse = false;
-  int64_t declared_size = 0;
-};
-
-// The sample being assembled. A bad one (already reported) swallows the rest
-// of its members.
-struct Group {
-  std::string key;
-  int64_t index = 0;  // within the shard
-  std::map<std::string, std::vector<uint8_t>> fields;
-  uint64_t bytes = 0;  // of all fields
-  bool bad = false;
-};
-
-// Reads one shard's samples in order, grouping consecutive members by key.
-// next() throws DataError for a bad sample and can be called again to go on
-// after it; for a bad shard (unreadable, truncated, corrupt) it throws once,
-// failed() turns true and the rest of the shard is dropped. Holds at most one
-// sample's bytes, and at most max_sample_bytes of them (0: no limit). Not
-// movable: libarchive keeps a pointer to the source.
-class ShardReader {
- public:
-  ShardReader(std::string path, const std::vector<std::string>& required_fields,
-              uint64_t max_sample_bytes)
-      : name_(std::move(path)),
-        from_file_(true),
-        required_fields_(required_fields),
-        max_sample_bytes_(max_sample_bytes) {}
-  ShardReader(std::string name, std::span<const uint8_t> bytes,
-              const std::vector<std::string>& required_fields, uint64_t max_sample_bytes)
-      : name_(std::move(name)),
-        source_(bytes),
-        required_fields_(required_fields),
-        max_sample_bytes_(max_sample_bytes) {}
-  ShardReader(const ShardReader&) = delete;
-  ShardReader& operator=(const ShardReader&) = delete;
-
-  bool failed() const noexcept { return failed_; }
-
-  // Only DataError leaves: anything else (std::bad_alloc when memory runs
-  // out, a std::length_error) becomes one naming the shard, so that
-  // OnError::skip can skip it. The reader's state is then unknown, so it
-  // counts as a failure of the whole shard.
-  std::optional<ShardSample> next() {
-    try {
-      return next_unchecked();
-    } catch (const Error&) {
-      throw;
-    } catch (const std::bad_alloc&) {
-      fail("out of memory reading the shard (std::bad_alloc)", last_member_, open_sample_index());
-    } catch (const std::exception& error) {
-      fail(std::string("cannot read shard: ") + error.what(), last_member_, open_sample_index());
-    }
-  }
-
- private:
-  std::optional<ShardSample> next_unchecked() {
-    if (failed_) return std::nullopt;
-    if (!archive_ && !at_end_) open();
-    while (true) {
-      if (!pending_ && !at_end_ && !read_header()) {
-        at_end_ = true;
-        archive_.reset();
-      }
-      if (at_end_) {
-        if (!group_) return std::nullopt;
-        if (std::optional<ShardSample> sample = finish_group()) return sample;
-        continue;
-      }
-      // pending_ is the next member: it ends the open sample or belongs to it.
-      if (group_ && pending_->key != group_->key) {
-        if (std::optional<ShardSample> sample = finish_group()) return sample;
-        continue;
-      }
-      if (!group_) start_group();
-      consume_pending();
-    }
-  }
-
-  [[noreturn]] void fail(const std::string& what, const std::string& member, int64_t sample) {
-    failed_ = true;
-    archive_.reset();
-    group_.reset();
-    pending_.reset();
-    throw DataError(what, name_, member, sample);
-  }
-
-  // The sample a shard-level failure cuts short, if one is open.
-  int64_t open_sample_index() const { return group_ ? group_->index : -1; }
-
-  // Reports the open sample as bad; its remaining members are dropped.
-  [[noreturn]] void reject(const std::string& what, const std::string& member) {
-    group_->bad = true;
-    throw DataError(what, name_, member, group_->index);
-  }
-
-  void open() {
-    if (from_file_) {
-      const std::string reason = source_.open_file(name_);
-      if (!reason.empty()) fail(reason, {}, -1);
-    }
-    archive_.reset(archive_read_new());
-    if (!archive_) fail("cannot allocate a libarchive reader", {}, -1);
-    if (archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
-      fail("cannot enable tar reading: " + archive_reason(archive_.get()), {}, -1);
-    }
-    if (archive_read_open(archive_.get(), &source_, nullptr, &TarSource::read_callback,
-                          nullptr) != ARCHIVE_OK) {
-      fail("cannot read shard: " + archive_reason(archive_.get()), {}, -1);
-    }
-  }
-
-  // Reads headers up to the next regular member (into pending_). Returns
-  // false at the end of the archive.
-  bool read_header() {
-    while (true) {
-      struct archive_entry* entry = nullptr;
-      const int status = archive_read_next_header(archive_.get(), &entry);
-      if (status == ARCHIVE_EOF) {
-        if (source_.ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) {
-          fail("truncated tar: the shard stops after a member, without the end-of-archive blocks",
-               last_member_, open_sample_index());
-        }
-        return false;
-      }
-      if (!succeeded(status)) {
-        const std::string where =
-            last_member_.empty() ? "" : " (after member '" + last_member_ + "')";
-        fail("truncated or corrupt tar header" + where + ": " + archive_reason(archive_.get()), {},
-             open_sample_index());
-      }
-      // Directories, links and devices carry no sample data (WebDataset
-      // skips them too); libarchive skips their data on the next header.
-      if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) {
-        continue;
-      }
-      const char* path = archive_entry_pathname(entry);
-      if (path == nullptr) path = archive_entry_pathname_utf8(entry);
-      if (path == nullptr) {
-        fail("a member's name cannot be decoded" +
-                 (last_member_.empty() ? std::string() : " (after member '" + last_member_ + "')"),
-             {}, open_sample_index());
-      }
-      Member member;
-      member.name = path;
-      // The key is the name up to the first '.' of its last component.
-      const size_t slash = member.name.rfind('/');
-      const size_t base = slash == std::string::npos ? 0 : slash + 1;
-      const size_t dot = member.name.find('.', base);
-      member.key = member.name.substr(0, dot);
-      if (dot != std::string::npos) member.field = member.name.substr(dot + 1);
-      member.valid_name = dot != std::string::npos && dot > base && !member.field.empty();
-      member.sparse = archive_entry_sparse_count(entry) > 0;
-      member.declared_size = archive_entry_size_is_set(entry) ? archive_entry_size(entry) : 0;
-      last_member_ = member.name;
-      pending_ = std::move(member);
-      return true;
-    }
-  }
-
-  void start_group() {
-    group_.emplace();
-    group_->key = pending_->key;
-    group_->index = next_sample_index_++;
-    if (!seen_keys_.insert(group_->key).second) {
-      reject("key '" + group_->key +
-                 "' appears again: a sample's members must be consecutive in the shard",
-             pending_->name);
-    }
-  }
-
-  // Adds the pending member to the open sample.
-  void consume_pending() {
-    const Member member = std::move(*pending_);
-    pending_.reset();
-    if (group_->bad) return;
-    if (!member.valid_name) {
-      reject("member name has no 'key.field' form (key '" + member.key + "')", member.name);
-    }
-    if (group_->fields.contains(member.field)) {
-      reject("field '" + member.field + "' appears twice in sample '" + group_->key + "'",
-             member.name);
-    }
-    if (member.sparse) reject("sparse tar members are not supported", member.name);
-    // Refused from the header, before any of its data is read.
-    const auto declared = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
-    if (declared > sample_bytes_left()) reject_oversized(member.name, declared);
-    std::vector<uint8_t> bytes = read_data(member);
-    group_->bytes += bytes.size();
-    group_->fields.emplace(member.field, std::move(bytes));
-  }
-
-  // What the open sample may still take under max_sample_bytes.
-  uint64_t sample_bytes_left() const {
-    if (max_sample_bytes_ == 0) return std::numeric_limits<uint64_t>::max();
-    return max_sample_bytes_ - std::min(max_sample_bytes_, group_->bytes);
-  }
-
-  [[noreturn]] void reject_oversized(const std::string& member, uint64_t member_bytes) {
-    reject("member of " + std::to_string(member_bytes) + " bytes takes sample '" + group_->key +
-               "' (" + std::to_string(group_->bytes) +
-               " bytes before it) over max_sample_bytes = " + std::to_string(max_sample_bytes_) +
-               " (TarShardOptions::max_sample_bytes; 0 lifts the limit)",
-           member);
-  }
-
-  std::vector<uint8_t> read_data(const Member& member) {
-    std::vector<uint8_t> bytes;
-    // The header's size is only a hint: a corrupt one could claim terabytes,
-    // more than the file holds (a sparse file holds terabytes of zeros).
-    uint64_t hint = static_cast<uint64_t>(std::max<int64_t>(member.declared_size, 0));
-    hint =
-        std::min<uint64_t>({hint, source_.size().value_or(detail::kTarReadBlockBytes), sample_bytes_left()});
-    bytes.reserve(static_cast<size_t>(hint));
-    while (true) {
-      const void* block = nullptr;
-      size_t size = 0;
-      la_int64_t offset = 0;
-      const int status = archive_read_data_block(archive_.get(), &block, &size, &offset);
-      if (status == ARCHIVE_EOF) return bytes;
-      if (!succeeded(status)) {
-        fail("cannot read member data: " + archive_reason(archive_.get()), member.name,
-             group_->index);
-      }
-      if (offset < 0 || static_cast<uint64_t>(offset) != bytes.size()) {
-        fail("member data arrives out of order (a sparse member?)", member.name, group_->index);
-      }
-      // The data, too, stays within the limit, whatever the header said.
-      if (size > sample_bytes_left() - bytes.size()) {
-        reject_oversized(member.name, bytes.size() + size);
-      }
-      if (size > 0) {
-        const auto* first = static_cast<const uint8_t*>(block);
-        bytes.insert(bytes.end(), first, first + size);
-      }
-    }
-  }
-
-  // Closes the open sample: returns it, or nothing when it was bad (already
-  // reported), or throws when it lacks a required field.
-  std::optional<ShardSample> finish_group() {
-    Group group = std::move(*group_);
-    group_.reset();
-    if (group.bad) return std::nullopt;
-    for (const std::string& field : required_fields_) {
-      if (!group.fields.contains(field)) {
-        throw DataError("sample '" + group.key + "' has no required field '" + field + "'", name_,
-                        group.key, group.index);
-      }
-    }
-    return ShardSample{std::move(group.key), name_, std::move(group.fields)};
-  }
-
-  std::string name_;
-  bool from_file_ = false;
-  TarSource source_{std::span<const uint8_t>()};
-  std::vector<std::string> required_fields_;
-  uint64_t max_sample_bytes_;
-  ReadArchive archive_;  // after source_: freed first
-  std::optional<Member> pending_;
-  std::optional<Group> group_;
-  std::unordered_set<std::string> seen_keys_;
-  std::string last_member_;
-  int64_t next_sample_index_ = 0;
-  bool at_end_ = false;
-  bool failed_ = false;
 };
 
 // One replica's stream: its shards in order, one open at a time, optionally
@@ -344,11 +63,11 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
  public:
   TarShardIterator(std::vector<std::string> shards, const TarShardOptions& options,
                    std::shared_ptr<std::atomic<uint64_t>> skipped)
-      : shards_(std::move(shards)),
-        required_fields_(options.required_fields),
+      : reader_(shard_reader(nodes::from_vector(std::move(shards)), options.required_fields,
+                             options.max_sample_bytes, options.open)),
+        samples_(reader_.pass()),
         on_error_(options.on_error),
         shuffle_buffer_(options.shuffle_buffer),
-        max_sample_bytes_(options.max_sample_bytes),
         skipped_(std::move(skipped)) {}
 
   std::optional<ShardSample> next() override {
@@ -358,16 +77,9 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
  private:
   std::optional<ShardSample> next_in_order() {
     while (true) {
-      if (!reader_) {
-        if (next_shard_ == shards_.size()) return std::nullopt;
-        reader_ = std::make_unique<ShardReader>(shards_[next_shard_++], required_fields_,
-                                                max_sample_bytes_);
-      }
       try {
-        if (std::optional<ShardSample> sample = reader_->next()) return sample;
-        reader_.reset();
+        return samples_.next();
       } catch (const DataError&) {
-        if (reader_->failed()) reader_.reset();  // the rest of the shard is lost
         if (on_error_ == OnError::raise) throw;
         skipped_->fetch_add(1, std::memory_order_relaxed);
       }
@@ -408,14 +120,11 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
     return static_cast<size_t>(index);
   }
 
-  std::vector<std::string> shards_;
-  std::vector<std::string> required_fields_;
+  Pipeline<ShardSample> reader_;
+  Pipeline<ShardSample>::Pass samples_;
   OnError on_error_;
   size_t shuffle_buffer_;
-  uint64_t max_sample_bytes_;
   std::shared_ptr<std::atomic<uint64_t>> skipped_;
-  size_t next_shard_ = 0;
-  std::unique_ptr<ShardReader> reader_;
   std::vector<ShardSample> buffer_;
   bool source_done_ = false;
 };
@@ -482,11 +191,15 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
                                     const std::vector<std::string>& required_fields,
                                     OnError on_error, uint64_t* skipped,
                                     uint64_t max_sample_bytes) {
-  ShardReader reader(name, bytes, required_fields, max_sample_bytes);
+  std::vector<nodes::FileBytes> shard;
+  shard.push_back({name, std::vector<uint8_t>(bytes.begin(), bytes.end())});
+  Pipeline<ShardSample> reader =
+      shard_reader(nodes::from_vector(std::move(shard)), required_fields, max_sample_bytes);
+  auto pass = reader.pass();
   std::vector<ShardSample> samples;
   while (true) {
     try {
-      std::optional<ShardSample> sample = reader.next();
+      std::optional<ShardSample> sample = pass.next();
       if (!sample) return samples;
       samples.push_back(std::move(*sample));
     } catch (const DataError&) {

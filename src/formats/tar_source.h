@@ -1,5 +1,6 @@
 // src/formats/tar_source.h: where a tar's bytes come from, for every tar
-// reader (TarShardDataset, the untar node), internal.
+// reader (the untar node, which TarShardDataset reads through) and writer,
+// internal.
 #pragma once
 
 #include <archive.h>
@@ -11,26 +12,44 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "conveyor/byte_stream.h"
 #include "regular_file.h"
 
 namespace conveyor::detail {
 
+// ARCHIVE_WARN still delivers the entry; everything else but OK is a
+// failure. ARCHIVE_RETRY (a damaged header, which libarchive would skip
+// block by block to the next plausible one) ranks above WARN numerically, so
+// `status < ARCHIVE_WARN` would let it through and lose members silently.
+inline bool succeeded(int status) { return status == ARCHIVE_OK || status == ARCHIVE_WARN; }
+
+inline std::string archive_reason(struct archive* archive) {
+  const char* reason = archive != nullptr ? archive_error_string(archive) : nullptr;
+  return reason != nullptr ? reason : "unknown libarchive error";
+}
+
 inline constexpr size_t kTarReadBlockBytes = 64 * 1024;  // what each read callback hands libarchive
 inline constexpr size_t kTarBlockBytes = 512;
 
-// Where a shard's bytes come from: a file read in 64 KiB blocks, or memory.
+// Where a shard's bytes come from: a file read in 64 KiB blocks, a
+// ByteStream (an HTTP body) read the same way, or memory.
 // libarchive pulls them through read(). The source remembers how many bytes it
 // handed out and the last 512 of them: libarchive accepts a tar that stops at
 // a member boundary without its end-of-archive blocks, and these tell such a
 // truncated shard from one that ends properly.
 class TarSource {
  public:
-  explicit TarSource(std::span<const uint8_t> bytes) : memory_(bytes), size_(bytes.size()) {}
+  explicit TarSource(std::span<const uint8_t> bytes) : size_(bytes.size()), memory_(bytes) {}
+  explicit TarSource(std::unique_ptr<ByteStream> stream)
+      : stream_(std::move(stream)), size_(stream_->size()), file_buffer_(kTarReadBlockBytes) {}
   ~TarSource() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -52,14 +71,19 @@ class TarSource {
     return {};
   }
 
-  // Nothing may unwind through libarchive's C frames.
+  // Nothing may unwind through libarchive's C frames: the failure's text
+  // becomes libarchive's error (a stream's DataError names its URL).
   static la_ssize_t read_callback(struct archive* archive, void* self, const void** block) {
     try {
       return static_cast<TarSource*>(self)->read(archive, block);
-    } catch (...) {
+    } catch (const std::bad_alloc&) {
       archive_set_error(archive, ENOMEM, "out of memory while reading");
-      return ARCHIVE_FATAL;
+    } catch (const std::exception& error) {
+      archive_set_error(archive, EIO, "%s", error.what());
+    } catch (...) {
+      archive_set_error(archive, EIO, "unknown failure while reading");
     }
+    return ARCHIVE_FATAL;
   }
 
   // An upper bound on any member's size, when the source's size is known.
@@ -77,7 +101,10 @@ class TarSource {
  private:
   la_ssize_t read(struct archive* archive, const void** block) {
     size_t count = 0;
-    if (fd_ >= 0) {
+    if (stream_) {
+      count = stream_->read(file_buffer_);
+      *block = file_buffer_.data();
+    } else if (fd_ >= 0) {
       ssize_t got = 0;
       do {
         got = ::read(fd_, file_buffer_.data(), file_buffer_.size());
@@ -117,10 +144,11 @@ class TarSource {
   }
 
   int fd_ = -1;
-  std::vector<uint8_t> file_buffer_;  // files only
+  std::unique_ptr<ByteStream> stream_;
+  std::optional<uint64_t> size_;
+  std::vector<uint8_t> file_buffer_;  // files and streams
   std::span<const uint8_t> memory_;
   size_t memory_offset_ = 0;
-  std::optional<uint64_t> size_;
   uint64_t delivered_ = 0;
   bool exhausted_ = false;
   std::array<uint8_t, kTarBlockBytes> tail_{};

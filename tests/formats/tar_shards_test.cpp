@@ -1325,4 +1325,116 @@ TEST(TarNodes, AMemberOverTheLimitIsRefusedFromItsHeader) {
   EXPECT_THROW(missing.pass(), DataError);
 }
 
+
+// What one pass of a sample pipeline gave: the keys, and each error as
+// "file|member|sample".
+struct Events {
+  std::vector<std::string> keys;
+  std::vector<std::string> errors;
+  bool operator==(const Events&) const = default;
+};
+
+Events drain_events(conveyor::Pipeline<ShardSample>& pipeline) {
+  Events events;
+  auto pass = pipeline.pass();
+  while (true) {
+    try {
+      std::optional<ShardSample> sample = pass.next();
+      if (!sample) return events;
+      events.keys.push_back(sample->key);
+    } catch (const DataError& e) {
+      events.errors.push_back(e.file() + "|" + e.member() + "|" + std::to_string(e.sample()));
+    }
+  }
+}
+
+// A shard with one sample of every kind group_by_key refuses.
+std::vector<uint8_t> shard_of_bad_samples() {
+  return UstarBuilder()
+      .file("000000.a", "ok")
+      .file("000000.cls", "0")
+      .file("README", "no field")  // sample 1: no key.field form
+      .file("000002.a", "x")
+      .file("000002.a", "again")  // sample 2: a field twice
+      .file("000002.cls", "2")
+      .file("000003.a", std::string(700, 'y'))
+      .file("000003.b", std::string(700, 'y'))  // sample 3: over 1000 bytes
+      .file("000003.cls", "3")
+      .file("000004.a", "no cls")  // sample 4: lacks the required field
+      .file("000000.c", "late")   // sample 5: key 000000 again
+      .file("000006.a", "ok")
+      .file("000006.cls", "6")
+      .bytes();
+}
+
+// group_by_key refuses the same samples, with the same errors, straight
+// after untar (sizes checked from the headers) as behind another node (sizes
+// checked once read), and as read_shard() and TarShardDataset do.
+TEST(TarNodes, GroupByKeyChecksSamplesTheSameWhereverItStands) {
+  TempDir dir;
+  const std::string path = dir.file("bad.tar");
+  write_bytes(path, shard_of_bad_samples());
+  const nodes::GroupByKeyOptions options{.required_fields = {"cls"}, .max_sample_bytes = 1000};
+  auto paths = [&] { return nodes::from_vector(std::vector<std::string>{path}); };
+  auto gated = paths() | nodes::untar() | nodes::group_by_key(options);
+  auto behind_a_map = paths() | nodes::untar() | nodes::map([](nodes::TarMember m) { return m; }) |
+                      nodes::group_by_key(options);
+  const Events expected{{"000000", "000006"},
+                        {path + "|README|1", path + "|000002.a|2", path + "|000003.b|3", path + "|000004|4",
+                         path + "|000000.c|5"}};
+  EXPECT_EQ(drain_events(gated), expected);
+  EXPECT_EQ(drain_events(behind_a_map), expected);
+
+  auto skipping = paths() | nodes::untar() |
+                  nodes::group_by_key({.required_fields = {"cls"}, .max_sample_bytes = 1000, .on_error = OnError::skip});
+  EXPECT_EQ(keys(conveyor::testing::one_pass(skipping)), expected.keys);
+  EXPECT_EQ(skipping.metrics().back().skipped, 5u);
+
+  uint64_t skipped = 0;
+  EXPECT_EQ(keys(conveyor::read_shard(shard_of_bad_samples(), path, {"cls"}, OnError::skip, &skipped, 1000)),
+            expected.keys);
+  EXPECT_EQ(skipped, 5u);
+  TarShardOptions dataset_options = with_policy({path}, OnError::raise);
+  dataset_options.required_fields = {"cls"};
+  dataset_options.max_sample_bytes = 1000;
+  TarShardDataset dataset(dataset_options);
+  const Drained drained = drain_with_errors(dataset);
+  EXPECT_EQ(drained.keys, expected.keys);
+  std::vector<std::string> errors;
+  for (const DataError& e : drained.errors) errors.push_back(e.file() + "|" + e.member() + "|" + std::to_string(e.sample()));
+  EXPECT_EQ(errors, expected.errors);
+}
+
+// Straight after untar, the members of a refused sample are never read:
+// untar hands out only the members group_by_key keeps.
+TEST(TarNodes, GroupByKeyLeavesARefusedSamplesMembersUnread) {
+  TempDir dir;
+  const std::string path = dir.file("big.tar");
+  write_bytes(path, UstarBuilder()
+                        .file("000000.a", "0")
+                        .file("000001.a", std::string(2000, 'x'))  // over the limit from its header
+                        .file("000001.b", "unread")
+                        .file("000001.c", "unread")
+                        .file("000002.a", "2")
+                        .bytes());
+  auto pipeline = nodes::from_vector(std::vector<std::string>{path}) | nodes::untar() |
+                  nodes::group_by_key({.max_sample_bytes = 1000, .on_error = OnError::skip});
+  const Events events = drain_events(pipeline);
+  EXPECT_EQ(events.keys, (std::vector<std::string>{"000000", "000002"}));
+  EXPECT_TRUE(events.errors.empty());
+  const std::vector<conveyor::NodeMetrics> metrics = pipeline.metrics();
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_EQ(metrics[1].name, "untar");
+  EXPECT_EQ(metrics[1].items_out, 2u);  // 000000.a and 000002.a: 000001's three never read
+  EXPECT_EQ(metrics[2].skipped, 1u);
+
+  // Raising, the refusal reaches the consumer in its place, numbered.
+  auto raising = nodes::from_vector(std::vector<std::string>{path}) | nodes::untar() |
+                 nodes::group_by_key({.max_sample_bytes = 1000});
+  const Events raised = drain_events(raising);
+  EXPECT_EQ(raised.keys, events.keys);
+  EXPECT_EQ(raised.errors, (std::vector<std::string>{path + "|000001.a|1"}));
+  EXPECT_EQ(raising.metrics()[1].items_out, 2u);
+}
+
 }  // namespace

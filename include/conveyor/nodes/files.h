@@ -9,13 +9,14 @@
 //                                          (fnmatch on the name), sorted; lists
 //                                          at the first pass, not before
 //   read_files()                           path -> FileBytes (regular files only)
-//   untar()                                a tar's FileBytes, or its path -> its
-//                                          regular members in archive order; a
-//                                          path is streamed from the file, one
+//   untar({.open})                         a tar's FileBytes, or its path or URL
+//                                          -> its regular members in archive
+//                                          order; a path is streamed from the
+//                                          file (a URL through `open`), one
 //                                          member in memory at a time
-//   group_by_key()                         consecutive members of one key (the
+//   group_by_key({.required_fields})       consecutive members of one key (the
 //                                          name up to its first '.' after the
-//                                          last '/') -> ShardSample
+//                                          last '/') -> ShardSample, checked
 //   decode_image(channels)                 encoded bytes -> Array<uint8_t> [C, H, W]
 //
 // Malformed input is a DataError naming the file and member, raised at the
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "conveyor/array.h"
+#include "conveyor/byte_stream.h"
 #include "conveyor/data_error.h"
 #include "conveyor/node.h"
 #include "conveyor/tar_shards.h"
@@ -61,8 +63,15 @@ struct ReadFilesOptions {
 std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFilesOptions options = {});
 
 struct UntarOptions {
+  // The most bytes one member may hold (0: no limit). A larger member is
+  // refused from its header, before its data is read; the archive goes on.
   uint64_t max_member_bytes = kDefaultMaxSampleBytes;
-  OnError on_error = OnError::raise;  // skip: a corrupt archive ends there, counted once
+  // skip: a refused member is dropped and counted; an archive that cannot be
+  // read further (truncated, corrupt) ends there, counted once.
+  OnError on_error = OnError::raise;
+  // Paths go through it first (http_opener() streams http(s):// URLs); a
+  // path it declines is read as a local file.
+  StreamOpener open = {};
 };
 // Pipeline<FileBytes> or Pipeline<std::string> (paths) -> Pipeline<TarMember>.
 struct UntarAdaptor {
@@ -72,8 +81,26 @@ struct UntarAdaptor {
 };
 UntarAdaptor untar(UntarOptions options = {});
 
-// Pipeline<TarMember> -> Pipeline<ShardSample>.
-std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key();
+struct GroupByKeyOptions {
+  // Every sample must have these fields; a sample missing one is bad.
+  std::vector<std::string> required_fields = {};  // "= {}": designated initializers may leave it out
+  // The most bytes one sample's members may hold together (0: no limit).
+  // Straight after untar a member that would take its sample over it is
+  // refused from its header, so memory stays within it whatever the headers
+  // claim; elsewhere the member is refused once read.
+  uint64_t max_sample_bytes = kDefaultMaxSampleBytes;
+  // A bad sample: a member name without the key.field form, a field twice,
+  // a key met again later in the same archive, a missing required field, or
+  // over max_sample_bytes. raise: a DataError naming the archive, the member
+  // (or the key) and the sample's index in its archive; skip: dropped and
+  // counted. Either way its other members are dropped (unread, straight
+  // after untar). Errors from upstream keep their place and are always
+  // thrown, with the sample's index added.
+  OnError on_error = OnError::raise;
+};
+// Pipeline<TarMember> -> Pipeline<ShardSample>: TarShardDataset's reader is
+// from_vector(shards) | untar() | group_by_key().
+std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key(GroupByKeyOptions options = {});
 
 // Pipeline<std::vector<uint8_t>> -> Pipeline<Array<uint8_t>>; `channels` as
 // decode_image's (0 keeps the stored count).

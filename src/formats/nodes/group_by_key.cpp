@@ -1,0 +1,269 @@
+// group_by_key (conveyor/nodes/files.h): consecutive tar members of one key
+// as one ShardSample, checked as WebDataset's shards must be.
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <utility>
+
+#include "conveyor/nodes/files.h"
+#include "conveyor/nodes/stage.h"
+#include "tar_members.h"
+
+namespace conveyor::nodes {
+
+namespace detail {
+
+MemberName split_member_name(const std::string& name) {
+  const size_t slash = name.rfind('/');
+  const size_t base = slash == std::string::npos ? 0 : slash + 1;
+  const size_t dot = name.find('.', base);
+  if (dot == std::string::npos) return {name, "", false};
+  MemberName split{name.substr(0, dot), name.substr(dot + 1), false};
+  split.valid = dot > base && !split.field.empty();
+  return split;
+}
+
+}  // namespace detail
+
+namespace {
+
+// A sample ends where the next key (or archive) starts, so it is handed out
+// one member late. Samples are numbered within their archive, bad ones
+// included, and every error names that number.
+//
+// An error from upstream names an archive and maybe a member. A member of
+// the open sample, or an archive that fails while the sample is open with no
+// member named: the sample is cut short and dropped with the error. Anything
+// else (another member, another archive): the open sample is whole and goes
+// out first, the error at the next call. Either way the rest of the failed
+// member's sample is dropped.
+class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::MemberGate {
+ public:
+  GroupByKey(NodePtr<TarMember> upstream, GroupByKeyOptions options)
+      : Stage(std::move(upstream)), options_(std::move(options)) {
+    // Straight after untar: sizes are checked from the headers (see MemberGate).
+    if (auto* untar = dynamic_cast<detail::GatedMembers*>(upstream_.get())) untar->set_gate(this);
+  }
+
+  std::optional<ShardSample> produce() override {
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    while (true) {
+      std::optional<TarMember> member;
+      if (pending_) {
+        member = std::exchange(pending_, std::nullopt);
+      } else {
+        try {
+          member = pull();
+        } catch (const DataError& error) {
+          // The open sample, when whole, goes out before the error.
+          if (std::optional<ShardSample> whole = on_upstream_error(error)) return whole;
+          std::rethrow_exception(std::exchange(error_, nullptr));
+        }
+      }
+      if (!member) {
+        if (!open_) return std::nullopt;
+        if (std::optional<ShardSample> sample = finish()) return sample;
+        return std::nullopt;
+      }
+      if (member->archive != archive_) {
+        if (open_) {
+          pending_ = std::move(member);  // starts the next archive
+          if (std::optional<ShardSample> sample = finish()) return sample;
+          continue;
+        }
+        start_archive(member->archive);
+      }
+      const detail::MemberName name = detail::split_member_name(member->name);
+      if (rejected_) {
+        if (rejected_->key == name.key) continue;  // the rest of a bad sample
+        rejected_.reset();
+      }
+      if (open_ && open_->sample.key != name.key) {
+        pending_ = std::move(member);  // starts the next sample
+        if (std::optional<ShardSample> sample = finish()) return sample;
+        continue;
+      }
+      try {
+        if (!open_) start_sample(name.key, member->name);
+        add(name, std::move(*member));
+      } catch (const DataError&) {
+        if (options_.on_error == OnError::raise) throw;
+        meter_.skipped.add(1);
+      }
+    }
+  }
+  std::string name() const override { return "group_by_key"; }
+
+ protected:
+  void start_pass() override {
+    open_.reset();
+    pending_.reset();
+    error_ = nullptr;
+    start_archive({});
+  }
+
+ private:
+  struct OpenSample {
+    ShardSample sample;
+    int64_t index = 0;  // within its archive
+    uint64_t bytes = 0;
+  };
+
+  uint64_t limit() const {
+    return options_.max_sample_bytes == 0 ? std::numeric_limits<uint64_t>::max() : options_.max_sample_bytes;
+  }
+
+  // The gate may have refused the archive's first samples before any of its
+  // members came here: they keep their numbers.
+  void start_archive(const std::string& archive) {
+    archive_ = archive;
+    seen_keys_.clear();
+    next_index_ = 0;
+    if (rejected_ && rejected_->archive == archive) {
+      seen_keys_.insert(rejected_->key);
+      next_index_ = rejected_->index + 1;
+    } else {
+      rejected_.reset();
+    }
+  }
+
+  // A bad sample: its remaining members are dropped unread.
+  [[noreturn]] void reject(const std::string& what, const std::string& member_or_key, const std::string& key,
+                           int64_t index) {
+    rejected_ = Rejected{archive_, key, index};
+    open_.reset();
+    throw DataError(what, archive_, member_or_key, index);
+  }
+
+  void start_sample(const std::string& key, const std::string& member) {
+    open_.emplace();
+    open_->sample.key = key;
+    open_->sample.shard = archive_;
+    open_->index = next_index_++;
+    if (!seen_keys_.insert(key).second) {
+      reject("key '" + key + "' appears again: a sample's members must be consecutive in the shard", member, key,
+             open_->index);
+    }
+  }
+
+  void add(const detail::MemberName& name, TarMember&& member) {
+    const int64_t index = open_->index;
+    if (!name.valid) reject("member name has no 'key.field' form (key '" + name.key + "')", member.name, name.key, index);
+    if (open_->sample.fields.contains(name.field)) {
+      reject("field '" + name.field + "' appears twice in sample '" + name.key + "'", member.name, name.key, index);
+    }
+    // Checked here too when untar is not straight upstream (no gate).
+    if (member.bytes.size() > limit() - std::min(limit(), open_->bytes)) {
+      reject(oversized(member.bytes.size(), name.key, open_->bytes), member.name, name.key, index);
+    }
+    open_->bytes += member.bytes.size();
+    open_->sample.fields.emplace(name.field, std::move(member.bytes));
+  }
+
+  std::string oversized(uint64_t member_bytes, const std::string& key, uint64_t before) const {
+    return "member of " + std::to_string(member_bytes) + " bytes takes sample '" + key + "' (" +
+           std::to_string(before) + " bytes before it) over max_sample_bytes = " +
+           std::to_string(options_.max_sample_bytes) + " (0 lifts the limit)";
+  }
+
+  // Closes the open sample: returns it, or, when it lacks a required field,
+  // throws (OnError::raise) or counts it and returns nothing (skip).
+  std::optional<ShardSample> finish() {
+    OpenSample open = std::move(*open_);
+    open_.reset();
+    for (const std::string& field : options_.required_fields) {
+      if (!open.sample.fields.contains(field)) {
+        DataError error("sample '" + open.sample.key + "' has no required field '" + field + "'", open.sample.shard,
+                        open.sample.key, open.index);
+        if (options_.on_error == OnError::raise) throw error;
+        meter_.skipped.add(1);
+        return std::nullopt;
+      }
+    }
+    return std::move(open.sample);
+  }
+
+  // untar asks before reading a member's data.
+  detail::Admission admit(const std::string& archive, const std::string& member, uint64_t declared) override {
+    const detail::MemberName name = detail::split_member_name(member);
+    if (rejected_ && rejected_->archive == archive && rejected_->key == name.key) return detail::Admission::skip;
+    const bool same_archive = archive == archive_;
+    const bool joins_open = same_archive && open_ && open_->sample.key == name.key;
+    const uint64_t before = joins_open ? open_->bytes : 0;
+    if (declared <= limit() - std::min(limit(), before)) return detail::Admission::read;
+    // raise: untar throws it, and on_upstream_error numbers it.
+    if (options_.on_error == OnError::raise) throw DataError(oversized(declared, name.key, before), archive, member);
+    int64_t index = 0;
+    if (joins_open) {
+      index = open_->index;
+      open_.reset();
+    } else if (same_archive) {
+      index = next_index_++;
+      seen_keys_.insert(name.key);
+    } else if (rejected_ && rejected_->archive == archive) {
+      index = rejected_->index + 1;  // the next archive's samples, before any reached here
+    }
+    rejected_ = Rejected{archive, name.key, index};
+    meter_.skipped.add(1);
+    return detail::Admission::skip;
+  }
+
+  // Stores the error (with the sample's index) in error_; returns the open
+  // sample when it is whole and goes out first.
+  std::optional<ShardSample> on_upstream_error(const DataError& error) {
+    std::optional<OpenSample> whole;
+    int64_t index = error.sample();
+    const bool same_archive = error.file() == archive_;
+    if (!error.member().empty()) {
+      const detail::MemberName name = detail::split_member_name(error.member());
+      if (!same_archive) {
+        whole = std::exchange(open_, std::nullopt);
+        start_archive(error.file());
+      }
+      if (open_ && open_->sample.key == name.key) {
+        index = open_->index;  // cut short
+        open_.reset();
+      } else {
+        if (!whole) whole = std::exchange(open_, std::nullopt);
+        index = next_index_++;
+        seen_keys_.insert(name.key);
+      }
+      rejected_ = Rejected{error.file(), name.key, index};
+    } else if (same_archive && open_) {
+      index = open_->index;  // the archive failed inside the open sample
+      open_.reset();
+    } else {
+      whole = std::exchange(open_, std::nullopt);
+    }
+    error_ = std::make_exception_ptr(DataError(error.reason(), error.file(), error.member(), index));
+    if (!whole) return std::nullopt;
+    open_ = std::move(whole);
+    return finish();
+  }
+
+  GroupByKeyOptions options_;
+  std::string archive_;  // of the members seen last
+  std::unordered_set<std::string> seen_keys_;
+  int64_t next_index_ = 0;
+  struct Rejected {
+    std::string archive;
+    std::string key;
+    int64_t index = 0;
+  };
+  std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
+  std::optional<OpenSample> open_;
+  std::optional<TarMember> pending_;
+  std::exception_ptr error_;  // thrown at the next call, after the sample before it
+};
+
+}  // namespace
+
+std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key(GroupByKeyOptions options) {
+  return [options](Pipeline<TarMember>&& upstream) {
+    return Pipeline<ShardSample>(std::make_unique<GroupByKey>(std::move(upstream).release(), options));
+  };
+}
+
+}  // namespace conveyor::nodes

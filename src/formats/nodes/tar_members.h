@@ -1,0 +1,49 @@
+// src/formats/nodes/tar_members.h: what untar and group_by_key share
+// (internal to conveyor::formats).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace conveyor::nodes::detail {
+
+// WebDataset's naming: "a/b/000123.seg.png" is field "seg.png" of the sample
+// keyed "a/b/000123" (the name up to the first '.' after the last '/').
+struct MemberName {
+  std::string key;
+  std::string field;
+  bool valid = false;  // both parts present: a name of the form key.field
+};
+MemberName split_member_name(const std::string& name);
+
+// What untar does with a member, decided from its header before its data is
+// read. Refusing is throwing DataError from admit().
+enum class Admission {
+  read,  // read it and hand it out
+  skip,  // leave its data unread and go on (the rest of a rejected sample)
+};
+
+// A check untar runs on each regular member's header. group_by_key installs
+// itself when its upstream is an untar node, so that a member taking its
+// sample over max_sample_bytes is refused before its bytes are read, and the
+// members of a rejected sample are never read at all. Called on the thread
+// advancing untar, which is group_by_key's: they are adjacent, with nothing
+// between to run either elsewhere.
+class MemberGate {
+ public:
+  virtual Admission admit(const std::string& archive, const std::string& member, uint64_t declared_bytes) = 0;
+
+ protected:
+  ~MemberGate() = default;
+};
+
+// Implemented by untar.
+class GatedMembers {
+ public:
+  virtual void set_gate(MemberGate* gate) noexcept = 0;
+
+ protected:
+  ~GatedMembers() = default;
+};
+
+}  // namespace conveyor::nodes::detail

@@ -1,0 +1,245 @@
+// untar (conveyor/nodes/files.h): the regular members of tar archives, in
+// archive order, one in memory at a time. The one tar reader of conveyor:
+// TarShardDataset reads its shards through it.
+#include <archive.h>
+#include <archive_entry.h>
+
+#include <algorithm>
+#include <limits>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "conveyor/nodes/files.h"
+#include "conveyor/nodes/stage.h"
+#include "../tar_source.h"
+#include "tar_members.h"
+
+namespace conveyor::nodes {
+namespace {
+
+struct ArchiveFree {
+  void operator()(struct archive* a) const noexcept { archive_read_free(a); }
+};
+
+using conveyor::detail::archive_reason;
+using conveyor::detail::succeeded;
+
+// An archive comes as bytes (FileBytes, from read_files) or as a path,
+// streamed from its file in 64 KiB blocks.
+//
+// Two kinds of failure: a member refused from its header (over the limit,
+// sparse, or by the gate) is an error at its place and the archive goes on
+// after it; an archive that cannot be opened or read further (truncated,
+// corrupt, out of memory) is an error at its place and the archive ends
+// there. Under OnError::skip each is dropped and counted once.
+template <class Input>
+class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers {
+ public:
+  Untar(NodePtr<Input> upstream, UntarOptions options)
+      : Stage<Input, TarMember>(std::move(upstream)), options_(options) {}
+  ~Untar() override { close(); }
+
+  void set_gate(detail::MemberGate* gate) noexcept override { gate_ = gate; }
+
+  std::optional<TarMember> produce() override {
+    while (true) {
+      if (!archive_) {
+        std::optional<Input> input = this->pull();
+        if (!input) return std::nullopt;
+        try {
+          open(std::move(*input));
+        } catch (const DataError&) {
+          close();
+          if (options_.on_error == OnError::raise) throw;
+          this->meter_.skipped.add(1);
+          continue;
+        }
+      }
+      try {
+        if (std::optional<TarMember> member = read_member_checked()) return member;
+        close();  // at its end: the next archive
+      } catch (const DataError&) {
+        if (!member_refused_) close();  // the archive cannot be read further
+        member_refused_ = false;
+        if (options_.on_error == OnError::raise) throw;
+        this->meter_.skipped.add(1);
+      }
+    }
+  }
+  std::string name() const override { return "untar"; }
+
+ protected:
+  void start_pass() override { close(); }
+
+ private:
+  void open(FileBytes&& file) {
+    current_ = std::move(file);
+    last_member_.clear();
+    source_ = std::make_unique<conveyor::detail::TarSource>(current_.bytes);
+    start_reading();
+  }
+  void open(std::string&& path) {
+    current_.path = std::move(path);
+    last_member_.clear();
+    if (options_.open) {
+      if (std::unique_ptr<ByteStream> stream = options_.open(current_.path)) {
+        source_ = std::make_unique<conveyor::detail::TarSource>(std::move(stream));
+        start_reading();
+        return;
+      }
+    }
+    source_ = std::make_unique<conveyor::detail::TarSource>(std::span<const uint8_t>());
+    // Only a regular file is read (a FIFO would block, /dev/zero reads as an
+    // empty archive): the reason names what it is.
+    const std::string problem = source_->open_file(current_.path);
+    if (!problem.empty()) throw DataError(problem, current_.path);
+    start_reading();
+  }
+  // The archive reads through the source, which tells a tar cut short at a
+  // member boundary (libarchive takes it for a whole one) from a whole tar.
+  void start_reading() {
+    archive_.reset(archive_read_new());
+    if (!archive_) throw DataError("cannot allocate a libarchive reader", current_.path);
+    if (archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
+      throw DataError("cannot enable tar reading: " + archive_reason(archive_.get()), current_.path);
+    }
+    if (archive_read_open(archive_.get(), source_.get(), nullptr, &conveyor::detail::TarSource::read_callback,
+                          nullptr) != ARCHIVE_OK) {
+      throw DataError("cannot read shard: " + archive_reason(archive_.get()), current_.path);
+    }
+  }
+  void close() noexcept {
+    archive_.reset();  // before the source it reads from
+    source_.reset();
+    current_.bytes = {};
+  }
+
+  // Only DataError leaves: std::bad_alloc (a member as large as memory) or
+  // any other failure becomes one naming the archive and the member, so that
+  // OnError::skip can skip it. The archive's state is then unknown: it ends.
+  std::optional<TarMember> read_member_checked() {
+    try {
+      return read_member();
+    } catch (const DataError&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      member_refused_ = false;
+      throw DataError("out of memory reading the shard (std::bad_alloc)", current_.path, last_member_);
+    } catch (const std::exception& error) {
+      member_refused_ = false;
+      throw DataError(std::string("cannot read shard: ") + error.what(), current_.path, last_member_);
+    }
+  }
+
+  [[noreturn]] void refuse(const std::string& what, const std::string& member) {
+    member_refused_ = true;
+    throw DataError(what, current_.path, member);
+  }
+
+  std::string after_last_member() const {
+    return last_member_.empty() ? std::string() : " (after member '" + last_member_ + "')";
+  }
+
+  std::optional<TarMember> read_member() {
+    while (true) {
+      struct archive_entry* entry = nullptr;
+      const int status = archive_read_next_header(archive_.get(), &entry);
+      if (status == ARCHIVE_EOF) {
+        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) {
+          throw DataError("truncated tar: the shard stops after a member, without the end-of-archive blocks",
+                          current_.path, last_member_);
+        }
+        return std::nullopt;
+      }
+      if (!succeeded(status)) {
+        throw DataError("truncated or corrupt tar header" + after_last_member() + ": " + archive_reason(archive_.get()),
+                        current_.path);
+      }
+      // Directories, links and devices carry no sample data (WebDataset
+      // skips them too); libarchive skips their data at the next header.
+      if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) continue;
+      const char* path = archive_entry_pathname(entry);
+      if (path == nullptr) path = archive_entry_pathname_utf8(entry);
+      if (path == nullptr) throw DataError("a member's name cannot be decoded" + after_last_member(), current_.path);
+      last_member_ = path;
+      const int64_t declared_signed = archive_entry_size_is_set(entry) ? archive_entry_size(entry) : 0;
+      const auto declared = static_cast<uint64_t>(std::max<int64_t>(declared_signed, 0));
+      if (archive_entry_sparse_count(entry) > 0) refuse("sparse tar members are not supported", last_member_);
+      if (gate_ != nullptr) {
+        try {
+          if (gate_->admit(current_.path, last_member_, declared) == detail::Admission::skip) continue;
+        } catch (const DataError&) {
+          member_refused_ = true;
+          throw;
+        }
+      }
+      if (declared > limit()) {
+        refuse("the member declares " + std::to_string(declared) + " bytes, more than untar's max_member_bytes " +
+                   std::to_string(options_.max_member_bytes),
+               last_member_);
+      }
+      return TarMember{current_.path, last_member_, read_data(declared)};
+    }
+  }
+
+  uint64_t limit() const {
+    return options_.max_member_bytes == 0 ? std::numeric_limits<uint64_t>::max() : options_.max_member_bytes;
+  }
+
+  std::vector<uint8_t> read_data(uint64_t declared) {
+    std::vector<uint8_t> bytes;
+    // The header's size is only a hint: a corrupt one could claim terabytes,
+    // more than the file holds (a sparse file holds terabytes of zeros).
+    bytes.reserve(static_cast<size_t>(
+        std::min<uint64_t>({declared, source_->size().value_or(conveyor::detail::kTarReadBlockBytes), limit()})));
+    while (true) {
+      const void* block = nullptr;
+      size_t size = 0;
+      la_int64_t offset = 0;
+      const int status = archive_read_data_block(archive_.get(), &block, &size, &offset);
+      if (status == ARCHIVE_EOF) return bytes;
+      if (!succeeded(status)) {
+        throw DataError("cannot read member data: " + archive_reason(archive_.get()), current_.path,
+                        last_member_);
+      }
+      if (offset < 0 || static_cast<uint64_t>(offset) != bytes.size()) {
+        throw DataError("member data arrives out of order (a sparse member?)", current_.path, last_member_);
+      }
+      // The data, too, stays within the limit, whatever the header said.
+      if (size > limit() - bytes.size()) {
+        throw DataError("the member holds more than untar's max_member_bytes " + std::to_string(options_.max_member_bytes),
+                        current_.path, last_member_);
+      }
+      if (size > 0) {
+        const auto* first = static_cast<const uint8_t*>(block);
+        bytes.insert(bytes.end(), first, first + size);
+      }
+    }
+  }
+
+  UntarOptions options_;
+  detail::MemberGate* gate_ = nullptr;
+  bool member_refused_ = false;  // the error being thrown is one member's: the archive goes on
+  FileBytes current_;            // the archive's path, and its bytes when it came as bytes
+  std::string last_member_;
+  std::unique_ptr<conveyor::detail::TarSource> source_;  // not movable: archive_ points at it
+  std::unique_ptr<struct archive, ArchiveFree> archive_;
+};
+
+}  // namespace
+
+Pipeline<TarMember> UntarAdaptor::operator()(Pipeline<FileBytes>&& upstream) const {
+  return Pipeline<TarMember>(std::make_unique<Untar<FileBytes>>(std::move(upstream).release(), options));
+}
+Pipeline<TarMember> UntarAdaptor::operator()(Pipeline<std::string>&& upstream) const {
+  return Pipeline<TarMember>(std::make_unique<Untar<std::string>>(std::move(upstream).release(), options));
+}
+
+UntarAdaptor untar(UntarOptions options) { return UntarAdaptor{options}; }
+
+}  // namespace conveyor::nodes

@@ -29,37 +29,15 @@
 #include <utility>
 
 #include "conveyor/nodes/stage.h"
+#include "curl_common.h"
 
 namespace conveyor::nodes {
 namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
-// curl_global_init once per process, before the first handle (libcurl asks
-// for it to be called before any other thread uses libcurl; a magic static
-// makes concurrent first calls wait for the one that runs it).
-void init_curl() {
-  static const CURLcode code = curl_global_init(CURL_GLOBAL_DEFAULT);
-  if (code != CURLE_OK) throw Error(std::string("http_get: curl_global_init failed: ") + curl_easy_strerror(code));
-}
-
-// Transient failures: the next attempt may well succeed.
-bool retryable(CURLcode code) noexcept {
-  switch (code) {
-    case CURLE_OPERATION_TIMEDOUT:  // connect or total timeout
-    case CURLE_COULDNT_CONNECT:     // refused: a server restarting
-    case CURLE_RECV_ERROR:          // connection reset
-    case CURLE_SEND_ERROR:
-    case CURLE_GOT_NOTHING:         // closed without a response
-    case CURLE_PARTIAL_FILE:        // closed mid-body
-    case CURLE_SSL_CONNECT_ERROR:   // reset during the handshake
-    case CURLE_HTTP2:
-    case CURLE_HTTP2_STREAM:
-      return true;
-    default:
-      return false;
-  }
-}
+using io::detail::init_curl;
+using io::detail::retryable;
 
 struct Transfer {
   enum class State { idle, running, waiting, done };
@@ -250,31 +228,15 @@ class HttpGet final : public Stage<std::string, HttpObject> {
     transfer.max_bytes = options_.max_bytes;
     const auto max_file = static_cast<curl_off_t>(
         std::min<uint64_t>(options_.max_bytes, static_cast<uint64_t>(std::numeric_limits<curl_off_t>::max())));
-    bool ok = curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &write_body) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_HEADERFUNCTION, &read_header) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_PRIVATE, &transfer) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error_text) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.connect_timeout.count())) ==
-                  CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, static_cast<long>(options_.total_timeout.count())) ==
-                  CURLE_OK &&
-              // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
-              curl_easy_setopt(easy, CURLOPT_MAXFILESIZE_LARGE, max_file) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
-              curl_easy_setopt(easy, CURLOPT_USERAGENT, "conveyor-http_get") == CURLE_OK;
-#if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
-    ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS_STR, "http,https") == CURLE_OK &&
-         curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS_STR, "http,https") == CURLE_OK;
-#else
-    ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
-                   CURLE_OK &&
-         curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
-             CURLE_OK;
-#endif
+    const bool ok = io::detail::set_transfer_options(easy, options_, "conveyor-http_get") &&
+                    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &write_body) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_HEADERFUNCTION, &read_header) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_PRIVATE, &transfer) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error_text) == CURLE_OK &&
+                    // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
+                    curl_easy_setopt(easy, CURLOPT_MAXFILESIZE_LARGE, max_file) == CURLE_OK;
     if (!ok) throw DataError("http_get: libcurl refused an option (out of memory?)", transfer.url);
   }
 
@@ -394,13 +356,7 @@ class HttpGet final : public Stage<std::string, HttpObject> {
     transfer.state = Transfer::State::done;
   }
 
-  // Before retry k (k = 1, 2, ...): min(backoff x 2^(k-1), max_backoff),
-  // doubled in integers (no pow), saturating.
-  std::chrono::milliseconds backoff(int retry) const noexcept {
-    std::chrono::milliseconds wait = options_.backoff;
-    for (int k = 1; k < retry && wait < options_.max_backoff; ++k) wait *= 2;
-    return std::min(wait, options_.max_backoff);
-  }
+  std::chrono::milliseconds backoff(int retry) const noexcept { return io::detail::backoff(options_, retry); }
 
   // Hands out the item at head_ (done). False when it was skipped.
   bool take(std::optional<HttpObject>& out) {
@@ -446,32 +402,10 @@ class HttpGet final : public Stage<std::string, HttpObject> {
   detail::Counter<uint64_t> in_flight_sum_;  // the window's fill at each take, summed
 };
 
-void validate(const HttpOptions& options) {
-  auto fail = [](const std::string& what) { throw ValueError("http_get: " + what); };
-  if (options.max_in_flight < 1 || options.max_in_flight > 65536) {
-    fail("max_in_flight should be in [1, 65536], but got " + std::to_string(options.max_in_flight));
-  }
-  if (options.retries < 0 || options.retries > 100) {
-    fail("retries should be in [0, 100], but got " + std::to_string(options.retries));
-  }
-  constexpr int64_t kMaxMs = std::numeric_limits<int32_t>::max();  // what a long holds everywhere
-  auto check_ms = [&](const char* name, std::chrono::milliseconds value, bool zero_ok) {
-    if (value.count() < (zero_ok ? 0 : 1) || value.count() > kMaxMs) {
-      fail(std::string(name) + " should be in [" + (zero_ok ? "0" : "1") + ", " + std::to_string(kMaxMs) +
-           "] ms, but got " + std::to_string(value.count()));
-    }
-  };
-  check_ms("connect_timeout", options.connect_timeout, false);
-  check_ms("total_timeout", options.total_timeout, true);
-  check_ms("backoff", options.backoff, true);
-  check_ms("max_backoff", options.max_backoff, true);
-  if (options.max_bytes == 0) fail("max_bytes should be at least 1");
-}
-
 }  // namespace
 
 std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options) {
-  validate(options);
+  io::detail::validate(options, "http_get");
   return [options](Pipeline<std::string>&& upstream) {
     return Pipeline<HttpObject>(std::make_unique<HttpGet>(std::move(upstream).release(), options));
   };

@@ -96,12 +96,20 @@ void NginxServer::write_file(const std::string& relative, const std::string& byt
   if (!out) throw std::runtime_error("cannot write " + path.string());
 }
 
-void NginxServer::start() {
+void NginxServer::start() { start_on(0); }
+
+void NginxServer::restart() {
+  const uint16_t port = port_;
+  stop();
+  start_on(port);
+}
+
+void NginxServer::start_on(uint16_t fixed_port) {
   const std::string nginx = binary();
   if (nginx.empty()) throw std::runtime_error("nginx is not installed");
   std::string last_error;
   for (int attempt = 0; attempt < 5; ++attempt) {  // another process may take the free port first
-    port_ = free_port();
+    port_ = fixed_port != 0 ? fixed_port : free_port();
     std::ofstream conf(dir_ + "/nginx.conf");
     conf << "daemon off;\nmaster_process on;\nworker_processes 1;\n"
          << "pid " << dir_ << "/nginx.pid;\n"
@@ -129,6 +137,7 @@ void NginxServer::start() {
          << "    location /error500/ { return 500; }\n"
          << "    location /reset/ { return 444; }\n"
          << "    location /slow/ { limit_rate 1k; }\n"
+         << "    location /norange/ { max_ranges 0; }\n"
          << "    location /chunked/ { sub_filter 'no-such-text' 'x'; sub_filter_once off; sub_filter_types *; }\n"
          << "  }\n"
          << "}\n";
@@ -160,6 +169,7 @@ void NginxServer::start() {
       stop();
       break;  // running but not accepting within the deadline: no retry
     }
+    if (fixed_port != 0) break;  // the port was asked for: no other
   }
   throw std::runtime_error("nginx did not start; its error log:\n" + last_error);
 }
@@ -175,6 +185,17 @@ void NginxServer::stop() {
 
 std::string NginxServer::url(const std::string& path) const {
   return "http://127.0.0.1:" + std::to_string(port_) + path;
+}
+
+std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
+  const std::string log = read_text(dir_ + "/access.log");
+  const std::string needle = "\"GET " + path + " ";
+  std::vector<int> statuses;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
+    const size_t quote = log.find('"', at + needle.size());  // the request line's end, then " 206 "
+    if (quote != std::string::npos) statuses.push_back(std::atoi(log.c_str() + quote + 2));
+  }
+  return statuses;
 }
 
 int NginxServer::requests_logged(const std::string& path) const {

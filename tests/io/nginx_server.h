@@ -6,12 +6,14 @@
 //   /reset/...     return 444 (nginx closes the connection, no response)
 //   /slow/...      DIR/www/slow/..., limit_rate 1k
 //   /chunked/...   DIR/www/chunked/..., through sub_filter: no Content-Length
+//   /norange/...   DIR/www/norange/..., max_ranges 0: a Range is answered 200
 #pragma once
 
 #include <sys/types.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace conveyor::test {
 
@@ -35,6 +37,8 @@ class NginxServer {
   void start();
   // SIGTERM (nginx's fast shutdown: open connections are closed) and waits.
   void stop();
+  // stop(), then start() on the same port: clients' URLs stay valid.
+  void restart();
 
   uint16_t port() const noexcept { return port_; }
   std::string url(const std::string& path) const;  // path starts with '/'
@@ -43,8 +47,12 @@ class NginxServer {
   // other request first (the worker answers it only after logging the
   // earlier ones) to count every request already answered.
   int requests_logged(const std::string& path) const;
+  // The statuses of those requests, in log order (200, 206, ...).
+  std::vector<int> statuses_logged(const std::string& path) const;
 
  private:
+  void start_on(uint16_t port);  // 0: a free one
+
   std::string dir_, www_;
   uint16_t port_ = 0;
   pid_t pid_ = -1;

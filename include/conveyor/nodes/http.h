@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "conveyor/byte_stream.h"
 #include "conveyor/data_error.h"
 #include "conveyor/node.h"
 
@@ -71,5 +72,19 @@ struct HttpOptions {
 // Pipeline<std::string> (URLs: http:// or https://) -> Pipeline<HttpObject>.
 // Throws ValueError for options out of range.
 std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options = {});
+
+// Streams http(s):// URLs for untar and TarShardDataset (their `open`):
+// a tar shard is read as it arrives, never stored whole, with at most 1 MiB
+// waiting for the reader (the transfer pauses beyond). Other locations are
+// declined (read as local files). A failed transfer (timeout, reset, refused
+// connection, 5xx) resumes where it stopped with a byte range (Range:
+// bytes=N-), after backoff; `retries` bounds consecutive attempts that bring
+// no new byte. max_bytes bounds the object; total_timeout bounds each
+// attempt, and an attempt cut by it resumes like any other. max_in_flight
+// and on_error are not used (one transfer per stream; the reader decides
+// what to skip). Connections are kept for the next stream opened by the same
+// opener. The opener may be called from several threads at once. Throws
+// ValueError for options out of range.
+StreamOpener http_opener(HttpOptions options = {});
 
 }  // namespace conveyor::nodes

@@ -1,0 +1,85 @@
+// What conveyor::io's libcurl users share (src/io/curl_common.h).
+#include "curl_common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "conveyor/errors.h"
+
+namespace conveyor::io::detail {
+
+void init_curl() {
+  // libcurl asks for it before any other thread uses libcurl; a magic static
+  // makes concurrent first calls wait for the one that runs it.
+  static const CURLcode code = curl_global_init(CURL_GLOBAL_DEFAULT);
+  if (code != CURLE_OK) throw Error(std::string("conveyor::io: curl_global_init failed: ") + curl_easy_strerror(code));
+}
+
+bool retryable(CURLcode code) noexcept {
+  switch (code) {
+    case CURLE_OPERATION_TIMEDOUT:  // connect or total timeout
+    case CURLE_COULDNT_CONNECT:     // refused: a server restarting
+    case CURLE_RECV_ERROR:          // connection reset
+    case CURLE_SEND_ERROR:
+    case CURLE_GOT_NOTHING:         // closed without a response
+    case CURLE_PARTIAL_FILE:        // closed mid-body
+    case CURLE_SSL_CONNECT_ERROR:   // reset during the handshake
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::chrono::milliseconds backoff(const nodes::HttpOptions& options, int retry) noexcept {
+  // Doubled in integers (no pow), saturating.
+  std::chrono::milliseconds wait = options.backoff;
+  for (int k = 1; k < retry && wait < options.max_backoff; ++k) wait *= 2;
+  return std::min(wait, options.max_backoff);
+}
+
+void validate(const nodes::HttpOptions& options, const std::string& who) {
+  auto fail = [&](const std::string& what) { throw ValueError(who + ": " + what); };
+  if (options.max_in_flight < 1 || options.max_in_flight > 65536) {
+    fail("max_in_flight should be in [1, 65536], but got " + std::to_string(options.max_in_flight));
+  }
+  if (options.retries < 0 || options.retries > 100) {
+    fail("retries should be in [0, 100], but got " + std::to_string(options.retries));
+  }
+  constexpr int64_t kMaxMs = std::numeric_limits<int32_t>::max();  // what a long holds everywhere
+  auto check_ms = [&](const char* name, std::chrono::milliseconds value, bool zero_ok) {
+    if (value.count() < (zero_ok ? 0 : 1) || value.count() > kMaxMs) {
+      fail(std::string(name) + " should be in [" + (zero_ok ? "0" : "1") + ", " + std::to_string(kMaxMs) +
+           "] ms, but got " + std::to_string(value.count()));
+    }
+  };
+  check_ms("connect_timeout", options.connect_timeout, false);
+  check_ms("total_timeout", options.total_timeout, true);
+  check_ms("backoff", options.backoff, true);
+  check_ms("max_backoff", options.max_backoff, true);
+  if (options.max_bytes == 0) fail("max_bytes should be at least 1");
+}
+
+bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept {
+  bool ok = curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L) == CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options.connect_timeout.count())) ==
+                CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, static_cast<long>(options.total_timeout.count())) == CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_USERAGENT, user_agent) == CURLE_OK;
+#if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
+  ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS_STR, "http,https") == CURLE_OK &&
+       curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS_STR, "http,https") == CURLE_OK;
+#else
+  ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
+                 CURLE_OK &&
+       curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP | CURLPROTO_HTTPS)) ==
+           CURLE_OK;
+#endif
+  return ok;
+}
+
+}  // namespace conveyor::io::detail

@@ -1,0 +1,31 @@
+// src/io/curl_common.h: what conveyor::io's libcurl users share (internal):
+// global initialisation, which failures are worth a retry, the backoff, and
+// the options every transfer sets.
+#pragma once
+
+#include <curl/curl.h>
+
+#include <chrono>
+#include <string>
+
+#include "conveyor/nodes/http.h"
+
+namespace conveyor::io::detail {
+
+// curl_global_init once per process, before the first handle. Throws Error.
+void init_curl();
+
+// Transient failures: the next attempt may well succeed.
+bool retryable(CURLcode code) noexcept;
+
+// Before retry k (k = 1, 2, ...): min(backoff x 2^(k-1), max_backoff).
+std::chrono::milliseconds backoff(const nodes::HttpOptions& options, int retry) noexcept;
+
+// Throws ValueError naming `who` and the option out of range.
+void validate(const nodes::HttpOptions& options, const std::string& who);
+
+// Timeouts, http(s) only (redirects too), redirects followed, no signals,
+// the user agent. False when libcurl refused one (out of memory).
+bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept;
+
+}  // namespace conveyor::io::detail

@@ -1,0 +1,317 @@
+// http_opener (conveyor/nodes/http.h): an HTTP(S) object as a ByteStream,
+// read front to back on the reader's thread through a private multi handle.
+//
+// Memory: at most kStreamBuffer bytes wait for the reader. When that much is
+// buffered the write callback pauses the transfer (CURL_WRITEFUNC_PAUSE:
+// libcurl keeps the chunk and hands it again once unpaused), and read()
+// unpauses it when the buffer has drained.
+//
+// Failures: a transfer that fails where a retry may help (timeouts, resets,
+// refused connections, 5xx) starts again where it stopped, asking for
+// `Range: bytes=received-`: a 206 goes on from there; a 200 (a server that
+// ignores ranges) is read from the start, dropping what was already
+// received. `retries` counts consecutive attempts without a new byte, so a
+// long shard survives any number of separate interruptions. A final failure
+// is a DataError naming the URL, and every later read() throws it again.
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/nodes/http.h"
+#include "curl_common.h"
+
+namespace conveyor::nodes {
+namespace {
+
+constexpr size_t kStreamBuffer = size_t{1} << 20;
+
+// A transfer's handles: the multi handle keeps the connection cache, so a
+// pair handed back after a stream keeps its connection open for the next.
+struct Connection {
+  CURLM* multi = nullptr;
+  CURL* easy = nullptr;
+};
+
+// The pairs an opener's streams share, taken and given back under a mutex
+// (streams are opened on the loader's workers).
+class ConnectionPool {
+ public:
+  ~ConnectionPool() {
+    for (Connection& connection : idle_) {
+      curl_easy_cleanup(connection.easy);
+      curl_multi_cleanup(connection.multi);
+    }
+  }
+  Connection take(const std::string& url) {
+    {
+      std::lock_guard lock(mutex_);
+      if (!idle_.empty()) {
+        Connection connection = idle_.back();
+        idle_.pop_back();
+        return connection;
+      }
+    }
+    io::detail::init_curl();
+    Connection connection{curl_multi_init(), curl_easy_init()};
+    if (!connection.multi || !connection.easy) {
+      if (connection.easy) curl_easy_cleanup(connection.easy);
+      if (connection.multi) curl_multi_cleanup(connection.multi);
+      throw DataError("http stream: cannot allocate a libcurl handle (out of memory)", url);
+    }
+    return connection;
+  }
+  void give_back(Connection connection) noexcept {
+    curl_easy_reset(connection.easy);  // keeps the connection, forgets the options
+    try {
+      std::lock_guard lock(mutex_);
+      if (idle_.size() < kMaxIdle) {
+        idle_.push_back(connection);
+        return;
+      }
+    } catch (...) {
+    }
+    curl_easy_cleanup(connection.easy);
+    curl_multi_cleanup(connection.multi);
+  }
+
+ private:
+  static constexpr size_t kMaxIdle = 64;
+  std::mutex mutex_;
+  std::vector<Connection> idle_;
+};
+
+class HttpStream final : public ByteStream {
+ public:
+  HttpStream(std::string url, const HttpOptions& options, std::shared_ptr<ConnectionPool> pool)
+      : url_(std::move(url)), options_(options), pool_(std::move(pool)), connection_(pool_->take(url_)) {
+    start_attempt();
+    // Up to the response's first bytes (or its end): a 404 fails the open,
+    // and size() knows the Content-Length.
+    pump([this] { return response_checked_; });
+  }
+
+  ~HttpStream() override {
+    if (in_multi_) curl_multi_remove_handle(connection_.multi, connection_.easy);  // closes a transfer cut short
+    pool_->give_back(connection_);
+  }
+
+  size_t read(std::span<uint8_t> out) override {
+    if (out.empty()) return 0;
+    pump([this] { return buffered() > 0; });
+    const size_t count = std::min(out.size(), buffered());
+    std::memcpy(out.data(), buffer_.data() + begin_, count);
+    begin_ += count;
+    if (begin_ == buffer_.size()) {
+      buffer_.clear();
+      begin_ = 0;
+    }
+    return count;
+  }
+
+  std::optional<uint64_t> size() const override { return size_; }
+
+ private:
+  size_t buffered() const noexcept { return buffer_.size() - begin_; }
+
+  // Drives the transfer until `ready()`, the end of the body, or a final
+  // failure (thrown).
+  template <class Ready>
+  void pump(Ready ready) {
+    while (true) {
+      if (failure_) std::rethrow_exception(failure_);
+      if (ready() || done_) return;
+      if (paused_ && buffered() < kStreamBuffer) {
+        paused_ = false;
+        curl_easy_pause(connection_.easy, CURLPAUSE_CONT);  // may hand the kept chunk at once
+        continue;
+      }
+      if (retry_at_) {
+        std::this_thread::sleep_until(*retry_at_);  // the reader has nothing else to do
+        retry_at_.reset();
+        start_attempt();
+      }
+      int running = 0;
+      const CURLMcode code = curl_multi_perform(connection_.multi, &running);
+      if (code != CURLM_OK) fail(std::string("curl_multi_perform: ") + curl_multi_strerror(code));
+      int left = 0;
+      while (CURLMsg* message = curl_multi_info_read(connection_.multi, &left)) {
+        if (message->msg == CURLMSG_DONE) finish(message->data.result);
+      }
+      if (ready() || done_ || failure_ || retry_at_) continue;
+      curl_multi_poll(connection_.multi, nullptr, 0, 1000, nullptr);
+    }
+  }
+
+  void start_attempt() {
+    ++attempts_;
+    response_checked_ = false;
+    discard_ = 0;
+    status_ = 0;
+    too_big_ = false;
+    error_text_[0] = '\0';
+    CURL* easy = connection_.easy;
+    const std::string range = std::to_string(received_) + "-";
+    const bool ok = io::detail::set_transfer_options(easy, options_, "conveyor-http-stream") &&
+                    curl_easy_setopt(easy, CURLOPT_URL, url_.c_str()) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &HttpStream::on_body) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_WRITEDATA, this) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, error_text_) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_RANGE, received_ > 0 ? range.c_str() : nullptr) == CURLE_OK;
+    if (!ok) fail("libcurl refused an option or the URL");
+    const CURLMcode code = curl_multi_add_handle(connection_.multi, easy);
+    if (code != CURLM_OK) fail(std::string("curl_multi_add_handle: ") + curl_multi_strerror(code));
+    in_multi_ = true;
+  }
+
+  static size_t on_body(char* data, size_t size, size_t count, void* self) {
+    return static_cast<HttpStream*>(self)->take_body(data, size * count);
+  }
+
+  // Returning less than `bytes` aborts the transfer (CURLE_WRITE_ERROR).
+  size_t take_body(const char* data, size_t bytes) {
+    if (!response_checked_) {
+      long status = 0;
+      curl_easy_getinfo(connection_.easy, CURLINFO_RESPONSE_CODE, &status);
+      if (status < 200 || status >= 300) {
+        status_ = status;
+        return 0;
+      }
+      curl_off_t length = -1;  // of this response's body; -1: not said
+      curl_easy_getinfo(connection_.easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
+      uint64_t start = 0;  // where this body begins in the object
+      if (received_ > 0) {
+        if (status == 206) {
+          start = received_;
+        } else {
+          discard_ = received_;  // the server sent it all again
+        }
+      }
+      if (length >= 0) {
+        const uint64_t total = start + static_cast<uint64_t>(length);
+        if (size_ && *size_ != total) {
+          status_ = status;
+          changed_ = true;  // the object changed between attempts
+          return 0;
+        }
+        size_ = total;
+        if (total > options_.max_bytes) {
+          too_big_ = true;
+          return 0;
+        }
+      }
+      response_checked_ = true;
+    }
+    if (buffered() >= kStreamBuffer) {
+      paused_ = true;
+      return CURL_WRITEFUNC_PAUSE;
+    }
+    const size_t dropped = static_cast<size_t>(std::min<uint64_t>(discard_, bytes));
+    discard_ -= dropped;
+    const size_t kept = bytes - dropped;
+    if (kept > options_.max_bytes - received_) {  // received_ <= max_bytes always
+      too_big_ = true;
+      return 0;
+    }
+    if (begin_ > 0 && begin_ >= buffer_.size() / 2) {  // reuse the front instead of growing
+      buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(begin_));
+      begin_ = 0;
+    }
+    buffer_.insert(buffer_.end(), data + dropped, data + bytes);
+    received_ += kept;
+    return bytes;
+  }
+
+  // An attempt ended: the end of the body, a retry, or the final failure.
+  void finish(CURLcode result) {
+    curl_multi_remove_handle(connection_.multi, connection_.easy);
+    in_multi_ = false;
+    long status = status_;
+    if (status == 0) curl_easy_getinfo(connection_.easy, CURLINFO_RESPONSE_CODE, &status);
+    if (result == CURLE_OK && !response_checked_ && status >= 200 && status < 300) response_checked_ = true;  // empty body
+    if (result == CURLE_OK && status >= 200 && status < 300) {
+      if (!size_ || received_ == *size_) {
+        done_ = true;
+        return;
+      }
+      result = CURLE_PARTIAL_FILE;  // ended short of its Content-Length
+    }
+    std::string why;
+    bool retry = false;
+    if (too_big_) {
+      why = "the object holds more than max_bytes " + std::to_string(options_.max_bytes);
+    } else if (changed_) {
+      why = "the object's length changed between attempts (it was replaced mid-read)";
+    } else if (status_ != 0) {
+      why = "HTTP " + std::to_string(status_);
+      retry = status_ >= 500;
+    } else {
+      why = curl_easy_strerror(result);
+      if (error_text_[0] != '\0') why += std::string(" (") + error_text_ + ")";
+      retry = io::detail::retryable(result);
+    }
+    if (received_ > received_at_last_failure_) attempts_ = 1;  // progress since: a fresh run of retries
+    received_at_last_failure_ = received_;
+    if (retry && attempts_ <= options_.retries) {
+      retry_at_ = std::chrono::steady_clock::now() + io::detail::backoff(options_, attempts_);
+      return;
+    }
+    if (attempts_ > 1) why += " (after " + std::to_string(attempts_) + " attempts)";
+    if (received_ > 0) why += ", " + std::to_string(received_) + " bytes in";
+    fail(why);
+  }
+
+  [[noreturn]] void fail(const std::string& why) {
+    failure_ = std::make_exception_ptr(DataError("http: " + why, url_));
+    std::rethrow_exception(failure_);
+  }
+
+  std::string url_;
+  HttpOptions options_;
+  std::shared_ptr<ConnectionPool> pool_;
+  Connection connection_;
+  bool in_multi_ = false;
+  std::vector<uint8_t> buffer_;  // buffer_[begin_, size()) waits for read()
+  size_t begin_ = 0;
+  uint64_t received_ = 0;  // bytes of the object taken into the buffer, all attempts
+  uint64_t received_at_last_failure_ = 0;
+  uint64_t discard_ = 0;   // bytes of this response already received before
+  std::optional<uint64_t> size_;
+  int attempts_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> retry_at_;
+  bool response_checked_ = false;  // this attempt's status and length were checked
+  bool paused_ = false;
+  bool done_ = false;
+  bool too_big_ = false;
+  bool changed_ = false;
+  long status_ = 0;  // an attempt's non-2xx status
+  std::exception_ptr failure_;
+  char error_text_[CURL_ERROR_SIZE] = {};
+};
+
+bool is_url(const std::string& location) {
+  return location.starts_with("http://") || location.starts_with("https://");
+}
+
+}  // namespace
+
+StreamOpener http_opener(HttpOptions options) {
+  io::detail::validate(options, "http_opener");
+  auto pool = std::make_shared<ConnectionPool>();
+  return [options, pool](const std::string& location) -> std::unique_ptr<ByteStream> {
+    if (!is_url(location)) return nullptr;
+    return std::make_unique<HttpStream>(location, options, pool);
+  };
+}
+
+}  // namespace conveyor::nodes

@@ -1,0 +1,224 @@
+// Tar shards streamed over HTTP (http_opener) into untar and TarShardDataset,
+// against a real nginx on loopback (nginx_server.h).
+#include <gtest/gtest.h>
+
+#ifdef CONVEYOR_IO_TEST_FORMATS
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "conveyor/data_error.h"
+#include "conveyor/nodes/files.h"
+#include "conveyor/nodes/http.h"
+#include "conveyor/nodes/sources.h"
+#include "conveyor/tar_shards.h"
+#include "nginx_server.h"
+
+namespace conveyor::nodes {
+namespace {
+
+namespace fs = std::filesystem;
+using conveyor::test::NginxServer;
+using std::chrono::milliseconds;
+
+constexpr int kShards = 3;
+constexpr int kSamplesPerShard = 7;
+
+// Sample i: a payload of a few KiB (varied, from an LCG) and its class.
+std::map<std::string, std::vector<uint8_t>> sample_fields(int i) {
+  std::vector<uint8_t> payload(1000 + static_cast<size_t>(i) * 613 % 9000);
+  uint32_t state = 2654435761u * static_cast<uint32_t>(i + 1);
+  for (uint8_t& byte : payload) {
+    state = state * 1664525u + 1013904223u;
+    byte = static_cast<uint8_t>(state >> 24);
+  }
+  const std::string label = std::to_string(i % 10);
+  return {{"bin", payload}, {"cls", std::vector<uint8_t>(label.begin(), label.end())}};
+}
+
+std::string key_of(int i) {
+  std::string name = std::to_string(i);
+  return std::string(6 - name.size(), '0') + name;
+}
+
+class HttpShardTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (NginxServer::binary().empty()) return;
+    server_ = std::make_unique<NginxServer>();
+    const std::string shards = server_->www() + "/shards";
+    fs::create_directories(shards);
+    TarShardWriter writer(shards + "/part-", kSamplesPerShard);
+    for (int i = 0; i < kShards * kSamplesPerShard; ++i) writer.write(key_of(i), sample_fields(i));
+    local_ = writer.close();
+    server_->start();
+  }
+  static void TearDownTestSuite() { server_.reset(); }
+  void SetUp() override {
+    if (!server_) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";
+  }
+
+  static std::vector<std::string> urls() {
+    return expand_shard_pattern(server_->url("/shards/part-{000000..00000" + std::to_string(kShards - 1) + "}.tar"));
+  }
+
+  static std::unique_ptr<NginxServer> server_;
+  static std::vector<std::string> local_;
+};
+std::unique_ptr<NginxServer> HttpShardTest::server_;
+std::vector<std::string> HttpShardTest::local_;
+
+std::vector<ShardSample> drain(IterableDataset<ShardSample>& dataset) {
+  std::vector<ShardSample> samples;
+  auto iterator = dataset.iter(nullptr);
+  while (std::optional<ShardSample> sample = iterator->next()) samples.push_back(std::move(*sample));
+  return samples;
+}
+
+TEST_F(HttpShardTest, ShardsOverHttpGiveWhatTheSameShardsOnDiskGive) {
+  TarShardOptions local;
+  local.shards = local_;
+  TarShardDataset from_disk(local);
+  const std::vector<ShardSample> expected = drain(from_disk);
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kShards * kSamplesPerShard));
+
+  TarShardOptions remote;
+  remote.shards = urls();
+  remote.open = http_opener();
+  TarShardDataset over_http(remote);
+  for (int pass = 0; pass < 2; ++pass) {
+    const std::vector<ShardSample> got = drain(over_http);
+    ASSERT_EQ(got.size(), expected.size()) << "pass " << pass;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].key, expected[i].key);
+      EXPECT_EQ(got[i].shard, remote.shards[i / kSamplesPerShard]);  // named by its URL
+      EXPECT_EQ(got[i].fields, expected[i].fields) << got[i].key;
+    }
+  }
+  // Each shard was asked for once per pass, whole (no range needed).
+  for (int shard = 0; shard < kShards; ++shard) {
+    const std::string path = "/shards/part-00000" + std::to_string(shard) + ".tar";
+    EXPECT_EQ(server_->statuses_logged(path), (std::vector<int>{200, 200})) << path;
+  }
+}
+
+TEST_F(HttpShardTest, UntarOverUrlsAndPathsMixed) {
+  // The opener declines what is not a URL: untar reads it from disk.
+  auto members = from_vector(std::vector<std::string>{urls()[0], local_[1]}) | untar({.open = http_opener()});
+  size_t count = 0;
+  for (auto& member : members.pass()) {
+    EXPECT_EQ(member.archive, count < 2 * kSamplesPerShard ? urls()[0] : local_[1]);
+    ++count;
+  }
+  EXPECT_EQ(count, 4u * kSamplesPerShard);
+}
+
+TEST_F(HttpShardTest, MissingShardIsADataErrorNamingTheUrlAndStatusOrSkipped) {
+  TarShardOptions options;
+  options.shards = {urls()[0], server_->url("/shards/absent.tar"), urls()[1]};
+  options.open = http_opener({.retries = 0});
+  TarShardDataset raising(options);
+  auto iterator = raising.iter(nullptr);
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      std::optional<ShardSample> sample = iterator->next();
+      if (!sample) break;
+      events.push_back(sample->key);
+    } catch (const DataError& error) {
+      EXPECT_EQ(error.file(), options.shards[1]);
+      EXPECT_NE(std::string(error.what()).find("HTTP 404"), std::string::npos) << error.what();
+      events.push_back("error");
+    }
+  }
+  ASSERT_EQ(events.size(), 2u * kSamplesPerShard + 1);
+  EXPECT_EQ(events[kSamplesPerShard], "error");
+
+  options.on_error = OnError::skip;
+  TarShardDataset skipping(options);
+  EXPECT_EQ(drain(skipping).size(), 2u * kSamplesPerShard);
+  EXPECT_EQ(skipping.skipped(), 1u);
+}
+
+TEST_F(HttpShardTest, ServerErrorsAreRetriedThenReported) {
+  const std::string url = server_->url("/error500/part-000000.tar");
+  TarShardOptions options;
+  options.shards = {url};
+  options.open = http_opener({.retries = 2, .backoff = milliseconds(1)});
+  TarShardDataset dataset(options);
+  try {
+    drain(dataset);
+    FAIL() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), url);
+    EXPECT_NE(std::string(error.what()).find("HTTP 500 (after 3 attempts)"), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(server_->statuses_logged("/error500/part-000000.tar"), (std::vector<int>{500, 500, 500}));
+}
+
+TEST(HttpOpenerOptions, OutOfRangeIsAValueError) {
+  EXPECT_THROW(http_opener({.retries = -1}), ValueError);
+  EXPECT_THROW(http_opener({.max_bytes = 0}), ValueError);
+  // Not a URL: declined, read as a local file by the caller.
+  EXPECT_EQ(http_opener()("/data/part-000000.tar"), nullptr);
+}
+
+// A stream cut mid-object (the server restarted on its port) resumes with a
+// byte range, or from the start where the server refuses ranges, and gives
+// exactly the object's bytes.
+class HttpStreamResume : public ::testing::TestWithParam<bool> {};
+
+TEST_P(HttpStreamResume, AStreamCutMidObjectResumesWhereItStopped) {
+  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  const bool ranges = GetParam();
+  NginxServer server;
+  // 32 MiB: far more than the stream buffers (1 MiB) and loopback's socket
+  // buffers hold, so most of it is still on the server when it goes away.
+  std::string object(32u << 20, '\0');
+  uint32_t state = 12345;
+  for (char& byte : object) {
+    state = state * 1664525u + 1013904223u;
+    byte = static_cast<char>(state >> 24);
+  }
+  const std::string path = ranges ? "/big.bin" : "/norange/big.bin";
+  server.write_file(path.substr(1), object);
+  server.start();
+  std::unique_ptr<ByteStream> stream = http_opener({.backoff = milliseconds(1)})(server.url(path));
+  ASSERT_NE(stream, nullptr);
+  EXPECT_EQ(stream->size(), std::optional<uint64_t>(object.size()));
+  std::string got;
+  std::vector<uint8_t> block(64 << 10);
+  while (got.size() < (1u << 20)) {  // a first part, then the server goes away
+    const size_t count = stream->read(block);
+    ASSERT_GT(count, 0u);
+    got.append(reinterpret_cast<const char*>(block.data()), count);
+  }
+  server.requests_logged("/none");  // flushes the log of every answered request (nginx_server.h)
+  ASSERT_TRUE(server.statuses_logged(path).empty()) << "the object was served whole before the cut";
+  server.restart();
+  while (const size_t count = stream->read(block)) got.append(reinterpret_cast<const char*>(block.data()), count);
+  EXPECT_EQ(got.size(), object.size());
+  EXPECT_TRUE(got == object) << "the bytes differ";
+  server.requests_logged("/none");  // flushes the log of every answered request (nginx_server.h)
+  // A request answered after the restart: the resumed one, a range (206),
+  // or the whole object again (200) where ranges are refused. (The cut one
+  // may be logged at nginx's shutdown, or not.)
+  const std::vector<int> statuses = server.statuses_logged(path);
+  ASSERT_FALSE(statuses.empty());
+  EXPECT_LE(statuses.size(), 2u);
+  EXPECT_EQ(statuses.back(), ranges ? 206 : 200);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranges, HttpStreamResume, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "WithRanges" : "ServerIgnoresRanges"; });
+
+}  // namespace
+}  // namespace conveyor::nodes
+#endif

@@ -2,7 +2,7 @@
 // conveyor's loader (shuffled, multi-worker, augmented on the workers).
 //
 //   train_fashion_mnist [--epochs 2] [--workers 2] [--batch-size 64] [--seed 0]
-//                       [--source idx|shards] [--shards DIR] [--data DIR]
+//                       [--source idx|shards] [--shards DIR|URL-pattern] [--data DIR]
 //                       [--scheduling work_stealing|round_robin] [--threads N]
 //                       [--limit N] [--lr 0.002] [--loader-only] [--pin-memory]
 //                       [--distributed]
@@ -17,6 +17,9 @@
 // mpirun): each rank reads its shard of the training set, gradients are
 // averaged across ranks after every step, rank 0 prints and evaluates. The
 // fingerprint is then of the job's mean loss per step.
+//
+// --shards http://host/train-{000000..000011}.tar: the shards are streamed
+// over HTTP(S) as they are read (conveyor::io), not downloaded first.
 #include <conveyor/conveyor.h>
 #if CONVEYOR_HAVE_CUDA
 #include <conveyor/cuda.h>
@@ -28,6 +31,9 @@
 #include <conveyor/idx.h>
 #include <conveyor/image.h>
 #include <conveyor/tar_shards.h>
+#if CONVEYOR_HAVE_IO
+#include <conveyor/nodes/http.h>
+#endif
 #include <conveyor/torch.h>
 #include <conveyor/transforms.h>
 #include <torch/torch.h>
@@ -76,7 +82,7 @@ struct Flags {
   std::fprintf(stderr,
                "train_fashion_mnist: %s\n"
                "usage: train_fashion_mnist [--epochs N] [--workers N] [--batch-size N] [--seed N]\n"
-               "       [--source idx|shards] [--data DIR] [--shards DIR]\n"
+               "       [--source idx|shards] [--data DIR] [--shards DIR|URL-pattern]\n"
                "       [--scheduling work_stealing|round_robin] [--threads N] [--limit N] [--lr X]\n"
                "       [--loader-only] [--pin-memory] [--distributed]\n",
                problem.c_str());
@@ -196,6 +202,8 @@ Sample plain(conveyor::LabeledImage&& sample) {
 conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
   return conveyor::decode_class_sample(sample, {.channels = 1, .num_classes = 10});
 }
+
+bool is_url(const std::string& shards) { return shards.starts_with("http://") || shards.starts_with("https://"); }
 
 // Fashion-MNIST as JPEG shards, written once into `directory`.
 std::vector<std::string> ensure_shards(const std::string& directory, const std::string& data) {
@@ -605,11 +613,21 @@ int main(int argc, char** argv) {
     conveyor::TarShardOptions shard_options;
     // Rank 0 writes the shards once; the others wait for it at the barrier.
     std::vector<std::string> shard_paths;
-    if (job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
-#if CONVEYOR_HAVE_DISTRIBUTED
-    if (job.distributed()) group->barrier();
+    if (is_url(flags.shards)) {
+      // Streamed over HTTP as they are read, never downloaded first.
+#if CONVEYOR_HAVE_IO
+      shard_paths = conveyor::expand_shard_pattern(flags.shards);
+      shard_options.open = conveyor::nodes::http_opener();
+#else
+      usage("--shards " + flags.shards + ": URLs need conveyor::io (libcurl), which this build lacks");
 #endif
-    if (!job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
+    } else {
+      if (job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
+#if CONVEYOR_HAVE_DISTRIBUTED
+      if (job.distributed()) group->barrier();
+#endif
+      if (!job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
+    }
     shard_options.shards = shard_paths;
     shard_options.shuffle_shards = true;
     shard_options.seed = job.seed;

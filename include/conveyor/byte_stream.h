@@ -23,8 +23,8 @@ class ByteStream {
   // Up to out.size() bytes into `out`, waiting for at least one; 0 only at
   // the end. Failures throw DataError naming the source.
   virtual size_t read(std::span<uint8_t> out) = 0;
-  // The stream's length when known before it is read (an HTTP
-  // Content-Length): readers bound what a header may claim by it.
+  // The stream's length once known (an HTTP Content-Length, after the first
+  // read): readers bound what a header may claim by it.
   virtual std::optional<uint64_t> size() const { return std::nullopt; }
 };
 

@@ -49,7 +49,7 @@ class TarSource {
  public:
   explicit TarSource(std::span<const uint8_t> bytes) : size_(bytes.size()), memory_(bytes) {}
   explicit TarSource(std::unique_ptr<ByteStream> stream)
-      : stream_(std::move(stream)), size_(stream_->size()), file_buffer_(kTarReadBlockBytes) {}
+      : stream_(std::move(stream)), file_buffer_(kTarReadBlockBytes) {}
   ~TarSource() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -87,7 +87,7 @@ class TarSource {
   }
 
   // An upper bound on any member's size, when the source's size is known.
-  std::optional<uint64_t> size() const { return size_; }
+  std::optional<uint64_t> size() const { return stream_ ? stream_->size() : size_; }
 
   // True when the stream ended exactly where libarchive stopped consuming
   // (`consumed` bytes) and its last block is not an end-of-archive block.

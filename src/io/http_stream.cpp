@@ -1,7 +1,8 @@
 // http_opener (conveyor/nodes/http.h): an HTTP(S) object as a ByteStream,
 // read front to back on the reader's thread through a private multi handle.
 //
-// Memory: at most kStreamBuffer bytes wait for the reader. When that much is
+// Memory: at most kStreamBuffer + kReceiveBytes bytes wait for the reader,
+// in a buffer that stays with the pooled connection. When kStreamBuffer are
 // buffered the write callback pauses the transfer (CURL_WRITEFUNC_PAUSE:
 // libcurl keeps the chunk and hands it again once unpaused), and read()
 // unpauses it when the buffer has drained.
@@ -35,12 +36,17 @@ namespace conveyor::nodes {
 namespace {
 
 constexpr size_t kStreamBuffer = size_t{1} << 20;
+// libcurl's receive buffer (CURLOPT_BUFFERSIZE): the most one write
+// callback hands over. Larger than its 16 KiB default: fewer calls and recv()s.
+constexpr size_t kReceiveBytes = size_t{256} << 10;
 
 // A transfer's handles: the multi handle keeps the connection cache, so a
 // pair handed back after a stream keeps its connection open for the next.
+// The buffer goes with them: warm memory for the next stream.
 struct Connection {
   CURLM* multi = nullptr;
   CURL* easy = nullptr;
+  std::vector<uint8_t> buffer;
 };
 
 // The pairs an opener's streams share, taken and given back under a mutex
@@ -57,13 +63,13 @@ class ConnectionPool {
     {
       std::lock_guard lock(mutex_);
       if (!idle_.empty()) {
-        Connection connection = idle_.back();
+        Connection connection = std::move(idle_.back());
         idle_.pop_back();
         return connection;
       }
     }
     io::detail::init_curl();
-    Connection connection{curl_multi_init(), curl_easy_init()};
+    Connection connection{curl_multi_init(), curl_easy_init(), {}};
     if (!connection.multi || !connection.easy) {
       if (connection.easy) curl_easy_cleanup(connection.easy);
       if (connection.multi) curl_multi_cleanup(connection.multi);
@@ -73,10 +79,11 @@ class ConnectionPool {
   }
   void give_back(Connection connection) noexcept {
     curl_easy_reset(connection.easy);  // keeps the connection, forgets the options
+    connection.buffer.clear();         // keeps the capacity
     try {
       std::lock_guard lock(mutex_);
       if (idle_.size() < kMaxIdle) {
-        idle_.push_back(connection);
+        idle_.push_back(std::move(connection));
         return;
       }
     } catch (...) {
@@ -94,16 +101,22 @@ class ConnectionPool {
 class HttpStream final : public ByteStream {
  public:
   HttpStream(std::string url, const HttpOptions& options, std::shared_ptr<ConnectionPool> pool)
-      : url_(std::move(url)), options_(options), pool_(std::move(pool)), connection_(pool_->take(url_)) {
+      : url_(std::move(url)),
+        options_(options),
+        pool_(std::move(pool)),
+        connection_(pool_->take(url_)),
+        buffer_(connection_.buffer) {
+    buffer_.reserve(kStreamBuffer + kReceiveBytes);  // the most it holds: appends never reallocate
+    // The request goes out now and the response waits in the socket until
+    // the first read: a stream opened ahead costs no thread and no buffer.
     start_attempt();
-    // Up to the response's first bytes (or its end): a 404 fails the open,
-    // and size() knows the Content-Length.
-    pump([this] { return response_checked_; });
+    int running = 0;
+    curl_multi_perform(connection_.multi, &running);
   }
 
   ~HttpStream() override {
     if (in_multi_) curl_multi_remove_handle(connection_.multi, connection_.easy);  // closes a transfer cut short
-    pool_->give_back(connection_);
+    pool_->give_back(std::move(connection_));
   }
 
   size_t read(std::span<uint8_t> out) override {
@@ -167,6 +180,7 @@ class HttpStream final : public ByteStream {
                     curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &HttpStream::on_body) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_WRITEDATA, this) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, error_text_) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_BUFFERSIZE, static_cast<long>(kReceiveBytes)) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_RANGE, received_ > 0 ? range.c_str() : nullptr) == CURLE_OK;
     if (!ok) fail("libcurl refused an option or the URL");
     const CURLMcode code = curl_multi_add_handle(connection_.multi, easy);
@@ -223,11 +237,12 @@ class HttpStream final : public ByteStream {
       too_big_ = true;
       return 0;
     }
-    if (begin_ > 0 && begin_ >= buffer_.size() / 2) {  // reuse the front instead of growing
+    if (buffer_.size() + kept > buffer_.capacity() && begin_ > 0) {  // reuse the front instead of growing
       buffer_.erase(buffer_.begin(), buffer_.begin() + static_cast<std::ptrdiff_t>(begin_));
       begin_ = 0;
     }
-    buffer_.insert(buffer_.end(), data + dropped, data + bytes);
+    const auto* first = reinterpret_cast<const uint8_t*>(data) + dropped;  // bytes: inserted by memcpy
+    buffer_.insert(buffer_.end(), first, first + kept);
     received_ += kept;
     return bytes;
   }
@@ -281,7 +296,7 @@ class HttpStream final : public ByteStream {
   std::shared_ptr<ConnectionPool> pool_;
   Connection connection_;
   bool in_multi_ = false;
-  std::vector<uint8_t> buffer_;  // buffer_[begin_, size()) waits for read()
+  std::vector<uint8_t>& buffer_;  // connection_'s; buffer_[begin_, size()) waits for read()
   size_t begin_ = 0;
   uint64_t received_ = 0;  // bytes of the object taken into the buffer, all attempts
   uint64_t received_at_last_failure_ = 0;

@@ -1437,4 +1437,46 @@ TEST(TarNodes, GroupByKeyLeavesARefusedSamplesMembersUnread) {
   EXPECT_EQ(raising.metrics()[1].items_out, 2u);
 }
 
+
+// A tar held in memory as a ByteStream, saying when it is first read.
+class LoggedStream final : public conveyor::ByteStream {
+ public:
+  LoggedStream(std::vector<uint8_t> bytes, std::string name, std::vector<std::string>& log)
+      : bytes_(std::move(bytes)), name_(std::move(name)), log_(log) {}
+  size_t read(std::span<uint8_t> out) override {
+    if (offset_ == 0) log_.push_back("read " + name_);
+    const size_t count = std::min(out.size(), bytes_.size() - offset_);
+    std::copy_n(bytes_.begin() + static_cast<std::ptrdiff_t>(offset_), count, out.begin());
+    offset_ += count;
+    return count;
+  }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  size_t offset_ = 0;
+  std::string name_;
+  std::vector<std::string>& log_;
+};
+
+// With an opener, untar opens the next archive while it reads the current
+// one (a remote shard's request overlaps the previous shard), at most one
+// ahead; what it hands out is unchanged, and a failed open is thrown at that
+// archive's turn.
+TEST(TarNodes, UntarOpensTheNextStreamWhileReadingThisOne) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("s-"), 6, 2);  // three shards
+  std::vector<std::string> log;
+  conveyor::StreamOpener opener = [&](const std::string& path) -> std::unique_ptr<conveyor::ByteStream> {
+    const std::string name = path.substr(path.size() - 5, 1);  // s-00000N.tar -> "N"
+    log.push_back("open " + name);
+    if (name == "1") throw DataError("refused", path);
+    return std::make_unique<LoggedStream>(read_bytes(path), name, log);
+  };
+  auto pipeline = nodes::from_vector(paths) | nodes::untar({.open = opener}) | nodes::group_by_key();
+  const Events events = drain_events(pipeline);
+  EXPECT_EQ(events.keys, (std::vector<std::string>{"000000", "000001", "000004", "000005"}));
+  EXPECT_EQ(events.errors, (std::vector<std::string>{paths[1] + "||-1"}));
+  EXPECT_EQ(log, (std::vector<std::string>{"open 0", "open 1", "read 0", "open 2", "read 2"}));
+}
+
 }  // namespace

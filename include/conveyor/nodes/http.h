@@ -74,8 +74,10 @@ struct HttpOptions {
 std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options = {});
 
 // Streams http(s):// URLs for untar and TarShardDataset (their `open`):
-// a tar shard is read as it arrives, never stored whole, with at most 1 MiB
-// waiting for the reader (the transfer pauses beyond). Other locations are
+// a tar shard is read as it arrives, never stored whole, with at most
+// 1.25 MiB waiting for the reader (the transfer pauses past 1 MiB). Opening
+// sends the request and returns; the first read waits for the response (so
+// untar, opening the next shard ahead, overlaps its request with this one). Other locations are
 // declined (read as local files). A failed transfer (timeout, reset, refused
 // connection, 5xx) resumes where it stopped with a byte range (Range:
 // bytes=N-), after backoff; `retries` bounds consecutive attempts that bring

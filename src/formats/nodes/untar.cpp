@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,7 +50,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   std::optional<TarMember> produce() override {
     while (true) {
       if (!archive_) {
-        std::optional<Input> input = this->pull();
+        std::optional<Input> input = next_input();
         if (!input) return std::nullopt;
         try {
           open(std::move(*input));
@@ -74,7 +75,13 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   std::string name() const override { return "untar"; }
 
  protected:
-  void start_pass() override { close(); }
+  void start_pass() override {
+    close();
+    ahead_.reset();
+    ahead_stream_.reset();
+    ahead_failure_ = nullptr;
+    ahead_error_ = nullptr;
+  }
 
  private:
   void open(FileBytes&& file) {
@@ -86,9 +93,12 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   void open(std::string&& path) {
     current_.path = std::move(path);
     last_member_.clear();
-    if (options_.open) {
-      if (std::unique_ptr<ByteStream> stream = options_.open(current_.path)) {
+    if (ahead_failure_) std::rethrow_exception(std::exchange(ahead_failure_, nullptr));
+    std::unique_ptr<ByteStream> opened_ahead = std::exchange(ahead_stream_, nullptr);
+    if (opened_ahead || options_.open) {
+      if (std::unique_ptr<ByteStream> stream = opened_ahead ? std::move(opened_ahead) : options_.open(current_.path)) {
         source_ = std::make_unique<conveyor::detail::TarSource>(std::move(stream));
+        open_ahead();  // before this one's first read, which may wait
         start_reading();
         return;
       }
@@ -113,6 +123,37 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       throw DataError("cannot read shard: " + archive_reason(archive_.get()), current_.path);
     }
   }
+  // The next archive: the one taken ahead, or upstream's next. An upstream
+  // error met ahead is thrown here, in its place.
+  std::optional<Input> next_input() {
+    if (ahead_error_) std::rethrow_exception(std::exchange(ahead_error_, nullptr));
+    if (ahead_) return std::exchange(ahead_, std::nullopt);
+    return this->pull();
+  }
+
+  // With an opener (remote archives), the next archive's stream is opened
+  // while this one is read, so its first bytes are on their way before they
+  // are needed: a shard's request no longer waits for the previous shard's
+  // end. At most one archive ahead, opened (an HTTP stream buffers nothing
+  // until it is read: the kernel's socket buffer holds what arrives).
+  void open_ahead() {
+    if constexpr (std::is_same_v<Input, std::string>) {
+      if (!options_.open || ahead_ || ahead_error_) return;
+      try {
+        ahead_ = this->pull();
+        if (ahead_) ahead_stream_ = options_.open(*ahead_);
+      } catch (...) {
+        // Thrown at the next archive's turn: a failed open as the open it
+        // stands for, an upstream error in its place.
+        if (ahead_) {
+          ahead_failure_ = std::current_exception();
+        } else {
+          ahead_error_ = std::current_exception();
+        }
+      }
+    }
+  }
+
   void close() noexcept {
     archive_.reset();  // before the source it reads from
     source_.reset();
@@ -223,6 +264,10 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   }
 
   UntarOptions options_;
+  std::optional<Input> ahead_;                 // the next archive, taken from upstream ahead of its turn
+  std::unique_ptr<ByteStream> ahead_stream_;   // its stream, opened ahead
+  std::exception_ptr ahead_failure_;           // its open failed: thrown at its turn
+  std::exception_ptr ahead_error_;             // upstream threw instead: thrown at its turn
   detail::MemberGate* gate_ = nullptr;
   bool member_refused_ = false;  // the error being thrown is one member's: the archive goes on
   FileBytes current_;            // the archive's path, and its bytes when it came as bytes

@@ -3,7 +3,7 @@
 //
 //   conveyor_driver --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]
 //                   [--in-order 0|1] [--seconds S] [--warmup S] [--samples N]
-//                   [--w2-iterations K] [--shards a.tar,b.tar] [--pipeline loader|nodes]
+//                   [--w2-iterations K] [--shards a.tar,b.tar|URLs] [--pipeline loader|nodes]
 //
 // Options: batch_size per workload, sequential order (no shuffle),
 // prefetch_factor 2, persistent_workers for N > 0. The JSON line adds
@@ -30,9 +30,14 @@
 #include <conveyor/nodes.h>
 #include <conveyor/nodes/files.h>
 #include <conveyor/tar_shards.h>
+#if CONVEYOR_PERF_HAVE_IO
+#include <conveyor/nodes/http.h>
+#endif
 #include <conveyor/transforms.h>
 #endif
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 
@@ -117,6 +122,15 @@ int run_w5(perf::Args args) {
   shard_options.shuffle_shards = false;
   shard_options.shuffle_buffer = 0;
   shard_options.required_fields = {"jpg", "cls"};
+  if (std::any_of(args.shards.begin(), args.shards.end(),
+                  [](const std::string& s) { return s.starts_with("http://") || s.starts_with("https://"); })) {
+#if CONVEYOR_PERF_HAVE_IO
+    shard_options.open = conveyor::nodes::http_opener();  // streamed, as the trainer's --shards URL
+#else
+    std::fprintf(stderr, "conveyor_driver: shard URLs need conveyor::io (libcurl), not built here\n");
+    return 2;
+#endif
+  }
   auto shards = std::make_shared<conveyor::TarShardDataset>(shard_options);
   auto decoded = conveyor::map(
       shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },

@@ -9,8 +9,11 @@ Standard library only.
 import json
 import os
 import platform
+import pwd
+import grp
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +64,70 @@ W4_MEAN_US = 0.99 * 50.0 + 0.01 * 20000.0  # 249.5 us
 MIB = 1024 * 1024
 
 
+class NginxServer:
+    """nginx on a free 127.0.0.1 port serving the W5 shards' directory (W5 over
+    HTTP), configured in a temporary directory; stop() ends it."""
+
+    def __init__(self, shards):
+        self.root = os.path.dirname(os.path.abspath(shards[0])) if shards else ""
+        self.dir = None
+        self.process = None
+        self.port = 0
+
+    @staticmethod
+    def binary():
+        for candidate in ("/usr/sbin/nginx", shutil.which("nginx") or ""):
+            if candidate and os.access(candidate, os.X_OK):
+                return candidate
+        return None
+
+    def urls(self, shards):
+        return [f"http://127.0.0.1:{self.port}/{os.path.basename(s)}" for s in shards]
+
+    def start(self):
+        self.dir = tempfile.mkdtemp(prefix="conveyor-perf-nginx-")
+        with socket.socket() as probe:  # a free port (nginx binds it a moment later)
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        user = ""
+        if os.geteuid() == 0:  # workers would become nobody, who cannot read a 0700 directory
+            entry = pwd.getpwuid(os.geteuid())
+            user = f"user {entry.pw_name} {grp.getgrgid(entry.pw_gid).gr_name};\n"
+        temp = "".join(f"  {kind}_temp_path {self.dir}/{kind};\n"
+                       for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+        config = (f"daemon off;\nworker_processes 1;\npid {self.dir}/nginx.pid;\nerror_log {self.dir}/error.log warn;\n"
+                  f"{user}events {{ worker_connections 1024; }}\n"
+                  f"http {{\n  access_log off;\n{temp}  default_type application/octet-stream;\n"
+                  f"  sendfile on;\n  keepalive_requests 100000;\n"
+                  f"  server {{\n    listen 127.0.0.1:{self.port};\n    root {self.root};\n  }}\n}}\n")
+        with open(os.path.join(self.dir, "nginx.conf"), "w") as f:
+            f.write(config)
+        self.process = subprocess.Popen([self.binary(), "-p", self.dir + "/", "-c", self.dir + "/nginx.conf",
+                                         "-e", self.dir + "/error.log"])
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                print(f"nginx serving {self.root} on 127.0.0.1:{self.port} (W5 over HTTP)", flush=True)
+                return
+            except OSError:
+                time.sleep(0.02)  # the connect poll's pace
+        log = open(os.path.join(self.dir, "error.log")).read() if os.path.exists(self.dir + "/error.log") else ""
+        self.stop()
+        raise RuntimeError("nginx did not start for W5 over HTTP:\n" + log)
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+        self.process = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
 class Suite:
     def __init__(self):
         self.build = os.path.abspath(os.environ.get("PERF_BUILD_DIR", os.path.join(ROOT, "build-perf")))
@@ -70,7 +137,7 @@ class Suite:
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
         self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-async",
-                                             "libtorch", "python"])
+                                             "conveyor-http", "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
@@ -97,6 +164,9 @@ class Suite:
             common += ["--shards", ",".join(self.shards)]
         if peer == "conveyor-nodes":
             return [self.binary("conveyor_driver")] + common + ["--pipeline", "nodes"]
+        if peer == "conveyor-http":  # the loader over the same shards' URLs (started in run())
+            common[common.index("--shards") + 1] = ",".join(self.http_server.urls(self.shards))
+            return [self.binary("conveyor_driver")] + common
         if peer == "conveyor-async":  # `workers` is the requests in flight
             common[common.index("--workers") + 1] = "0"
             return [self.binary("conveyor_driver")] + common + ["--pipeline", "async", "--in-flight", str(workers)]
@@ -119,6 +189,11 @@ class Suite:
             return "the async peer runs W3 only (W3-async)"
         if peer == "conveyor-nodes" and workload != "W5":
             return "the node-graph peer runs W5 only"
+        if peer == "conveyor-http":
+            if workload != "W5":
+                return "the HTTP peer runs W5 only (its shards streamed from a local nginx)"
+            if not NginxServer.binary():
+                return "nginx is not installed (Debian: nginx-light; scripts/setup installs it)"
         if peer == "conveyor-torch":
             if workload not in TORCH_SAMPLE_WORKLOADS:
                 return "no torch-sample variant (W5's samples are the decoder's own)"
@@ -286,6 +361,16 @@ class Suite:
         if not self.time_bin:
             self.notes.append("/usr/bin/time is missing (Debian package `time`): no peak RSS or CPU totals")
         self.calibrate()
+        self.http_server = NginxServer(self.shards) if "conveyor-http" in self.peers and self.shards else None
+        try:
+            if self.http_server and "W5" in self.workloads and NginxServer.binary():
+                self.http_server.start()
+            self.run_jobs()
+        finally:
+            if self.http_server:
+                self.http_server.stop()
+
+    def run_jobs(self):
         jobs = self.plan()
         # Repetitions interleave: every configuration once, then again, so
         # that drift on a shared machine spreads over all of them.

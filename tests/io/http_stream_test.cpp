@@ -58,6 +58,11 @@ class HttpShardTest : public ::testing::Test {
     TarShardWriter writer(shards + "/part-", kSamplesPerShard);
     for (int i = 0; i < kShards * kSamplesPerShard; ++i) writer.write(key_of(i), sample_fields(i));
     local_ = writer.close();
+    // One small sample in a shard served at 1 KiB/s (nginx's limit_rate).
+    fs::create_directories(server_->www() + "/slow");
+    TarShardWriter slow(server_->www() + "/slow/tiny-", 1);
+    slow.write("000000", {{"bin", std::vector<uint8_t>(600, 7)}, {"cls", {'3'}}});
+    slow.close();
     server_->start();
   }
   static void TearDownTestSuite() { server_.reset(); }
@@ -161,6 +166,38 @@ TEST_F(HttpShardTest, ServerErrorsAreRetriedThenReported) {
     EXPECT_NE(std::string(error.what()).find("HTTP 500 (after 3 attempts)"), std::string::npos) << error.what();
   }
   EXPECT_EQ(server_->statuses_logged("/error500/part-000000.tar"), (std::vector<int>{500, 500, 500}));
+}
+
+// Every attempt is cut by total_timeout long before the throttled shard is
+// through; each resumes with a range where the last stopped, so the shard
+// arrives whole. (retries counts attempts in a row without a new byte.)
+TEST_F(HttpShardTest, AThrottledShardCutByTimeoutsResumesUntilWhole) {
+  TarShardOptions options;
+  options.shards = {server_->url("/slow/tiny-000000.tar")};
+  options.open = http_opener({.total_timeout = milliseconds(700), .retries = 2, .backoff = milliseconds(1)});
+  TarShardDataset dataset(options);
+  const std::vector<ShardSample> samples = drain(dataset);
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0].fields.at("bin"), std::vector<uint8_t>(600, 7));
+  EXPECT_EQ(samples[0].fields.at("cls"), std::vector<uint8_t>{'3'});
+  server_->requests_logged("/none");  // flushes the log (nginx_server.h)
+  const std::vector<int> statuses = server_->statuses_logged("/slow/tiny-000000.tar");
+  EXPECT_GE(std::count(statuses.begin(), statuses.end(), 206), 1) << "no attempt resumed with a range";
+}
+
+TEST_F(HttpShardTest, AClosedConnectionIsRetriedThenReported) {
+  const std::string url = server_->url("/reset/part-000000.tar");  // nginx's 444: closed, no answer
+  TarShardOptions options;
+  options.shards = {url};
+  options.open = http_opener({.retries = 1, .backoff = milliseconds(1)});
+  TarShardDataset dataset(options);
+  try {
+    drain(dataset);
+    FAIL() << "no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), url);
+    EXPECT_NE(std::string(error.what()).find("(after 2 attempts)"), std::string::npos) << error.what();
+  }
 }
 
 TEST(HttpOpenerOptions, OutOfRangeIsAValueError) {

@@ -98,13 +98,31 @@ class ConnectionPool {
   std::vector<Connection> idle_;
 };
 
+// A pooled connection held for a stream's life and given back (its
+// transfer stopped) however the stream ends: a member, so a constructor that
+// throws gives it back too.
+struct Lease {
+  Lease(std::shared_ptr<ConnectionPool> from, const std::string& url)
+      : pool(std::move(from)), connection(pool->take(url)) {}
+  ~Lease() {
+    if (in_multi) curl_multi_remove_handle(connection.multi, connection.easy);  // closes a transfer cut short
+    pool->give_back(std::move(connection));
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+
+  std::shared_ptr<ConnectionPool> pool;
+  Connection connection;
+  bool in_multi = false;  // the easy handle is in the multi handle
+};
+
 class HttpStream final : public ByteStream {
  public:
   HttpStream(std::string url, const HttpOptions& options, std::shared_ptr<ConnectionPool> pool)
       : url_(std::move(url)),
         options_(options),
-        pool_(std::move(pool)),
-        connection_(pool_->take(url_)),
+        lease_(std::move(pool), url_),
+        connection_(lease_.connection),
         buffer_(connection_.buffer) {
     buffer_.reserve(kStreamBuffer + kReceiveBytes);  // the most it holds: appends never reallocate
     // The request goes out now and the response waits in the socket until
@@ -112,11 +130,6 @@ class HttpStream final : public ByteStream {
     start_attempt();
     int running = 0;
     curl_multi_perform(connection_.multi, &running);
-  }
-
-  ~HttpStream() override {
-    if (in_multi_) curl_multi_remove_handle(connection_.multi, connection_.easy);  // closes a transfer cut short
-    pool_->give_back(std::move(connection_));
   }
 
   size_t read(std::span<uint8_t> out) override {
@@ -185,7 +198,7 @@ class HttpStream final : public ByteStream {
     if (!ok) fail("libcurl refused an option or the URL");
     const CURLMcode code = curl_multi_add_handle(connection_.multi, easy);
     if (code != CURLM_OK) fail(std::string("curl_multi_add_handle: ") + curl_multi_strerror(code));
-    in_multi_ = true;
+    lease_.in_multi = true;
   }
 
   static size_t on_body(char* data, size_t size, size_t count, void* self) {
@@ -250,7 +263,7 @@ class HttpStream final : public ByteStream {
   // An attempt ended: the end of the body, a retry, or the final failure.
   void finish(CURLcode result) {
     curl_multi_remove_handle(connection_.multi, connection_.easy);
-    in_multi_ = false;
+    lease_.in_multi = false;
     long status = status_;
     if (status == 0) curl_easy_getinfo(connection_.easy, CURLINFO_RESPONSE_CODE, &status);
     if (result == CURLE_OK && !response_checked_ && status >= 200 && status < 300) response_checked_ = true;  // empty body
@@ -293,9 +306,8 @@ class HttpStream final : public ByteStream {
 
   std::string url_;
   HttpOptions options_;
-  std::shared_ptr<ConnectionPool> pool_;
-  Connection connection_;
-  bool in_multi_ = false;
+  Lease lease_;
+  Connection& connection_;        // lease_'s
   std::vector<uint8_t>& buffer_;  // connection_'s; buffer_[begin_, size()) waits for read()
   size_t begin_ = 0;
   uint64_t received_ = 0;  // bytes of the object taken into the buffer, all attempts

@@ -101,6 +101,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     open_.reset();
     pending_.reset();
     error_ = nullptr;
+    rejected_.reset();  // a sample refused last pass must not swallow this pass's members
     start_archive({});
   }
 

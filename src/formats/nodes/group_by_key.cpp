@@ -29,6 +29,22 @@ MemberName split_member_name(const std::string& name) {
 
 namespace {
 
+// The sample being assembled. (At namespace scope: clang cannot use a nested
+// class's default member initializers inside its enclosing class, so
+// std::optional<OpenSample>::emplace() would not compile there.)
+struct OpenSample {
+  ShardSample sample;
+  int64_t index = 0;  // within its archive
+  uint64_t bytes = 0;
+};
+
+// A bad sample, whose other members are dropped.
+struct Rejected {
+  std::string archive;
+  std::string key;
+  int64_t index = 0;
+};
+
 // A sample ends where the next key (or archive) starts, so it is handed out
 // one member late. Samples are numbered within their archive, bad ones
 // included, and every error names that number.
@@ -106,12 +122,6 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   }
 
  private:
-  struct OpenSample {
-    ShardSample sample;
-    int64_t index = 0;  // within its archive
-    uint64_t bytes = 0;
-  };
-
   uint64_t limit() const {
     return options_.max_sample_bytes == 0 ? std::numeric_limits<uint64_t>::max() : options_.max_sample_bytes;
   }
@@ -248,11 +258,6 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::string archive_;  // of the members seen last
   std::unordered_set<std::string> seen_keys_;
   int64_t next_index_ = 0;
-  struct Rejected {
-    std::string archive;
-    std::string key;
-    int64_t index = 0;
-  };
   std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
   std::optional<OpenSample> open_;
   std::optional<TarMember> pending_;

@@ -36,7 +36,7 @@
 #include "conveyor/dataset.h"
 #include "conveyor/detail/loader_core.h"
 #include "conveyor/detail/loader_plan.h"
-#include "conveyor/detail/threaded_source.h"
+#include "conveyor/detail/loader_batches.h"
 #include "conveyor/detail/transfer_stage.h"
 #include "conveyor/detail/type_name.h"
 #include "conveyor/errors.h"
@@ -114,7 +114,7 @@ class DataLoader {
       }
       return *this;
     }
-    // Stops the epoch's workers (see ThreadedSource) and leaves its metrics
+    // Stops the epoch's workers (see WorkerLanes) and leaves its metrics
     // with the loader: DataLoader::last_metrics().
     ~Epoch() { keep_metrics(); }
 
@@ -301,6 +301,7 @@ class DataLoader {
     return plan;
   }
 
+  // The epoch's fetch+collate stage: on the workers, or in this thread.
   std::unique_ptr<detail::BatchSource<batch_type>> make_source(int64_t base_seed, uint64_t epoch) {
     Core& core = *core_;
     if (core.plan.num_workers > 0) {
@@ -312,14 +313,13 @@ class DataLoader {
       } else {
         pool = std::make_shared<Pool>(core);
       }
-      return std::make_unique<detail::ThreadedSource<D, C>>(core_, std::move(pool), base_seed,
-                                                            epoch);
+      using Lanes = detail::WorkerLanes<D, C>;
+      return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(
+          core_, std::make_unique<Lanes>(core_, std::move(pool), base_seed, epoch));
     }
-    if constexpr (MapStyleDataset<D>) {
-      return std::make_unique<detail::InlineMapSource<D, C>>(core_, base_seed, epoch);
-    } else {
-      return std::make_unique<detail::InlineIterableSource<D, C>>(core_, base_seed, epoch);
-    }
+    using Lanes = detail::InlineLanes<D, C>;
+    return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(core_,
+                                                                std::make_unique<Lanes>(core_, base_seed, epoch));
   }
 
   LoaderOptions options_;

@@ -2,6 +2,9 @@
 // The implementation (oneTBB arena, moodycamel queues, the reorder window)
 // lives in runtime/ and is not installed.
 //
+// Most code does not use the Engine directly but SequencedWindow<Payload>
+// (sequenced_window.h), which keeps each slot's payload with its turn.
+//
 // Contract. One consumer thread owns the Engine: it submits jobs (the
 // dispatcher), waits for results and releases them. Jobs run on the engine's
 // workers, calling back into a TaskRunner (the loader's typed half), which

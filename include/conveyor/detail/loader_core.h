@@ -1,6 +1,5 @@
 // conveyor/detail/loader_core.h: what a DataLoader's epochs share (dataset,
-// collate function, resolved plan), and the in-thread batch sources used
-// when num_workers == 0.
+// collate function, resolved plan) and how a batch is made from samples.
 #pragma once
 
 #include <algorithm>
@@ -105,22 +104,6 @@ class WorkerPool;
 
 // Defined with the engine (runtime/engine.cpp).
 uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index);
-
-// Under work_stealing each batch draws from its own generator, seeded from
-// (base_seed, epoch, batch), also without workers: the same augmentations
-// for any num_workers, 0 included. Otherwise code in the consumer's thread
-// draws from the process's default generator, as in PyTorch.
-class InlineBatchScope {
- public:
-  InlineBatchScope(const LoaderPlan& plan, int64_t base_seed, uint64_t epoch, uint64_t batch) {
-    if (plan.scheduling == Scheduling::work_stealing) {
-      scope_.emplace(nullptr, work_stealing_seed(base_seed, epoch, batch));
-    }
-  }
-
- private:
-  std::optional<WorkerScope> scope_;
-};
 
 template <class D, class C>
 struct LoaderCore {
@@ -240,104 +223,6 @@ struct LoaderCore {
       return samples;
     }
   }
-};
-
-// num_workers == 0, map-style: fetch and collate in the consumer's thread.
-template <class D, class C>
-class InlineMapSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
- public:
-  using batch_type = typename LoaderCore<D, C>::batch_type;
-
-  InlineMapSource(std::shared_ptr<const LoaderCore<D, C>> core, int64_t base_seed, uint64_t epoch)
-      : core_(std::move(core)),
-        batches_(core_->plan.index_sampler->iter()),
-        base_seed_(base_seed),
-        epoch_(epoch) {}
-
-  std::optional<batch_type> next() override {
-    if (!batches_->next(indices_)) return std::nullopt;  // a sampler's error leaves as it is
-    const uint64_t seq = next_seq_++;
-    const char* stage = "fetch";
-    InlineBatchScope scope(core_->plan, base_seed_, epoch_, seq);
-    try {
-      return core_->make_batch(indices_, stage, times_);
-    } catch (...) {
-      throw_worker_error(std::current_exception(), FailureContext{-1, seq, indices_, stage});
-    }
-  }
-
-  void add_metrics(LoaderMetrics& metrics) const override {
-    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
-    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
-  }
-
- private:
-  std::shared_ptr<const LoaderCore<D, C>> core_;
-  std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
-  StageTimes times_;
-  BatchIndices indices_;
-  int64_t base_seed_;
-  uint64_t epoch_;
-  uint64_t next_seq_ = 0;
-};
-
-// num_workers == 0, iterable: one replica in the consumer's thread, made at
-// the first next() so that an iter() that throws reaches the consumer as a
-// WorkerError, as it does from a worker. A replica whose iter() threw is
-// exhausted (PyTorch's rule for a worker that failed to start).
-template <class D, class C>
-class InlineIterableSource final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
- public:
-  using batch_type = typename LoaderCore<D, C>::batch_type;
-  using sample_type = typename LoaderCore<D, C>::sample_type;
-
-  InlineIterableSource(std::shared_ptr<const LoaderCore<D, C>> core, int64_t base_seed, uint64_t epoch)
-      : core_(std::move(core)), base_seed_(base_seed), epoch_(epoch) {}
-
-  std::optional<batch_type> next() override {
-    if (exhausted_) return std::nullopt;
-    const LoaderPlan& plan = core_->plan;
-    const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
-    const uint64_t seq = next_seq_++;
-    const char* stage = "iter";
-    InlineBatchScope scope(plan, base_seed_, epoch_, seq);
-    try {
-      if (!replica_) {
-        exhausted_ = true;  // until iter() returns
-        replica_ = core_->dataset->iter(nullptr);
-        exhausted_ = false;
-      }
-      stage = "iterate";
-      const auto start = std::chrono::steady_clock::now();
-      std::vector<sample_type> samples = LoaderCore<D, C>::take_samples(*replica_, wanted, exhausted_);
-      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) {
-        exhausted_ = true;
-        return std::nullopt;
-      }
-      const auto fetched = std::chrono::steady_clock::now();
-      times_.fetch_ns += nanoseconds_since(start);
-      stage = "collate";
-      batch_type batch = core_->collate_samples(std::move(samples));
-      times_.collate_ns += nanoseconds_since(fetched);
-      return batch;
-    } catch (...) {
-      throw_worker_error(std::current_exception(), FailureContext{-1, seq, {}, stage});
-    }
-  }
-
-  void add_metrics(LoaderMetrics& metrics) const override {
-    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
-    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
-  }
-
- private:
-  StageTimes times_;
-  std::shared_ptr<const LoaderCore<D, C>> core_;
-  std::unique_ptr<SampleIterator<sample_type>> replica_;
-  int64_t base_seed_;
-  uint64_t epoch_;
-  bool exhausted_ = false;
-  uint64_t next_seq_ = 0;
 };
 
 }  // namespace conveyor::detail

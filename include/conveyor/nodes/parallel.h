@@ -30,6 +30,7 @@
 #include "conveyor/data_error.h"
 #include "conveyor/detail/buffer_pool.h"
 #include "conveyor/detail/engine.h"
+#include "conveyor/detail/sequenced_window.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/nodes/map.h"
 #include "conveyor/nodes/stage.h"
@@ -62,6 +63,14 @@ struct Result {
   uint64_t position = 0;  // the input item's
   bool end = false;       // prefetch: upstream had no more
   int64_t busy_ns = 0;    // timed passes: the worker's time on it
+};
+
+// A parallel map's window slot: the input the consumer hands over, the
+// result the worker makes of it.
+template <class In, class Out>
+struct MapSlot {
+  std::optional<In> input;
+  Result<Out> result;
 };
 
 // How full a window was each time its consumer took an item.
@@ -102,8 +111,10 @@ inline conveyor::detail::EngineConfig engine_config(int workers, int window, boo
 }  // namespace detail
 
 template <class In, class F>
-class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
-                          private conveyor::detail::TaskRunner {
+class ParallelMap final
+    : public Stage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
+      private conveyor::detail::SequencedWindow<
+          detail::MapSlot<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>>::Work {
  public:
   using Out = std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>;
   using item_type = Out;
@@ -117,18 +128,15 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     if (options_.window < 1 || options_.window > (1 << 20)) {
       throw ValueError("map: window should be in [1, 1048576], but got " + std::to_string(options_.window));
     }
-    inputs_.resize(static_cast<size_t>(options_.window));
-    positions_.resize(static_cast<size_t>(options_.window));
-    results_.resize(static_cast<size_t>(options_.window));
   }
-  ~ParallelMap() override { engine_.reset(); }  // stops before the slots go
+  ~ParallelMap() override { window_.reset(); }  // its workers run f_
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
     while (true) {
       fill();
-      if (engine().stats().in_flight == 0) return std::nullopt;
-      if (take(engine().wait_ready(), out)) return out;
+      if (window().in_flight() == 0) return std::nullopt;
+      if (take(window().take(), out)) return out;
     }
   }
   Poll try_next(std::optional<Out>& out) override { return this->counted(poll(out)); }
@@ -138,7 +146,7 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   // In-flight items read pass_ and id_ (their seeds): cancelled before the
   // reset writes them.
   void stop_pass() override {
-    if (engine_) engine_->cancel();
+    if (window_) window_->cancel();
   }
   void start_pass() override {
     upstream_done_ = false;
@@ -154,35 +162,38 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
   }
 
  private:
+  using Slot = detail::MapSlot<In, Out>;
+  using Window = conveyor::detail::SequencedWindow<Slot>;
+
   Poll poll(std::optional<Out>& out) {
     while (true) {
       fill();
-      if (engine().stats().in_flight == 0) return Poll::end;
-      conveyor::detail::ReadyBatch ready;
-      if (!engine().try_ready(ready)) return Poll::pending;
-      if (take(ready, out)) return Poll::ready;
+      if (window().in_flight() == 0) return Poll::end;
+      std::optional<typename Window::Taken> taken = window().try_take();
+      if (!taken) return Poll::pending;
+      if (take(std::move(*taken), out)) return Poll::ready;
     }
   }
 
-  conveyor::detail::Engine& engine() {
-    if (!engine_) {  // lazily: nothing starts before the first pass asks
+  Window& window() {
+    if (!window_) {  // lazily: nothing starts before the first pass asks
       // Arrays f makes come from oneTBB's scalable heap: made on a worker
       // and freed on the consumer's thread, glibc's would take its arena
       // lock for each (W5's decode ran at 19 us an item on a worker, 10 us
       // serially); the recycling pool's queues cost 11% of W5's CPU.
       item_memory_ = conveyor::detail::make_scalable_heap();
-      engine_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
-                      static_cast<conveyor::detail::TaskRunner&>(*this));
-      engine_->begin_epoch(0, 0);
+      window_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
+                      static_cast<typename Window::Work&>(*this));
+      window_->begin_epoch(0, 0);
     }
-    return *engine_;
+    return *window_;
   }
 
   // Pulls upstream on this thread and submits until the window is full. An
   // upstream error stops the pulling; it is thrown once the items before it
   // are out (its place).
   void fill() {
-    while (!upstream_done_ && !upstream_error_ && engine().has_room()) {
+    while (!upstream_done_ && !upstream_error_ && window().has_room()) {
       std::optional<In> item;
       try {
         item = this->pull();
@@ -194,23 +205,20 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
         upstream_done_ = true;
         return;
       }
-      // The slot the engine gives the next job: it is free (the window's
-      // invariant), so its input can be written before the job is queued.
-      const uint32_t slot = engine().next_slot();
-      inputs_[slot].emplace(std::move(*item));
-      positions_[slot] = this->position();
-      engine().submit(-1, {});
+      Slot& slot = window().next_payload();
+      slot.input.emplace(std::move(*item));
+      slot.result.position = this->position();
+      window().submit();
     }
-    if (!upstream_error_ || engine().stats().in_flight > 0) return;
+    if (!upstream_error_ || window().in_flight() > 0) return;
     std::rethrow_exception(std::exchange(upstream_error_, nullptr));
   }
 
-  bool take(const conveyor::detail::ReadyBatch& ready, std::optional<Out>& out) {
-    occupancy_.add(engine().stats().in_flight);
-    detail::Result<Out> result = std::move(results_[ready.slot]);
-    results_[ready.slot] = {};
-    inputs_[ready.slot].reset();
-    engine().release(ready);
+  // The consumer's thread frees the input here, where glibc's per-thread
+  // cache takes it back cheaply (it made it).
+  bool take(typename Window::Taken&& taken, std::optional<Out>& out) {
+    occupancy_.add(window().in_flight() + 1);  // counting the one just taken
+    detail::Result<Out>& result = taken.payload.result;
     worker_busy_ns_.add(result.busy_ns);
     if (result.error) {
       if (options_.on_error == OnError::skip) {
@@ -227,16 +235,14 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     return true;
   }
 
-  // ---- TaskRunner: on the engine's workers ----
-  void init_worker(int) override {}
-  void run(conveyor::detail::Job& job, int, const std::exception_ptr&) noexcept override {
-    detail::Result<Out>& out = results_[job.slot];
-    out.position = positions_[job.slot];
+  // ---- on the engine's workers ----
+  void run(conveyor::detail::Job&, Slot& slot, int, const std::exception_ptr&) noexcept override {
+    detail::Result<Out>& out = slot.result;
     conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, out.position));
     conveyor::detail::AllocatorScope memory(item_memory_.get());
     auto apply = [&] {
       try {
-        out.value.emplace(std::as_const(f_)(std::move(*inputs_[job.slot])));  // f runs on many threads
+        out.value.emplace(std::as_const(f_)(std::move(*slot.input)));  // f runs on many threads
       } catch (...) {
         out.error = std::current_exception();
       }
@@ -246,46 +252,33 @@ class ParallelMap final : public Stage<In, std::remove_cvref_t<std::invoke_resul
     } else {
       apply();
     }
-    // The input stays: the consumer's thread made it and frees it in take(),
-    // where glibc's per-thread cache takes it back cheaply.
-  }
-  void clear(uint32_t slot) noexcept override {
-    inputs_[slot].reset();
-    results_[slot] = {};
   }
 
   F f_;
   MapOptions options_;
-  // By slot. The consumer writes an input before queueing its job; the job
-  // (one worker) reads it and writes the result; the consumer reads that
-  // after the slot's publication (the engine's contract).
-  std::vector<std::optional<In>> inputs_;
-  std::vector<uint64_t> positions_;
-  std::vector<detail::Result<Out>> results_;
   bool upstream_done_ = false;
   std::exception_ptr upstream_error_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
-  std::shared_ptr<BufferAllocator> item_memory_;  // set before the engine starts
-  std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
+  std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts
+  std::optional<Window> window_;  // last: stopped first
 };
 
 template <class T>
-class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
+class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow<detail::Result<T>>::Work {
  public:
   using item_type = T;
   Prefetch(NodePtr<T> upstream, int depth) : upstream_(std::move(upstream)), depth_(depth) {
     if (depth_ < 1 || depth_ > (1 << 20)) {
       throw ValueError("prefetch: depth should be in [1, 1048576], but got " + std::to_string(depth_));
     }
-    results_.resize(static_cast<size_t>(depth_));
   }
-  ~Prefetch() override { engine_.reset(); }  // stops before the slots go
+  ~Prefetch() override { window_.reset(); }  // its strand advances upstream_
 
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     // Upstream is the strand's: nothing may run on it while it is reset.
-    if (engine_) engine_->cancel();
+    if (window_) window_->cancel();
     // No id of its own: adding or removing a prefetch changes no seed.
     upstream_->reset(pass, walk);
     timed_ = pass.timed;
@@ -299,16 +292,16 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
     std::optional<T> out;
     while (!done_) {
       fill();
-      if (take(engine().wait_ready(), out)) return out;
+      if (take(window().take(), out)) return out;
     }
     return std::nullopt;
   }
   Poll try_next(std::optional<T>& out) override {
     while (!done_) {
       fill();
-      conveyor::detail::ReadyBatch ready;
-      if (!engine().try_ready(ready)) return Poll::pending;
-      if (take(ready, out)) return Poll::ready;
+      std::optional<typename Window::Taken> taken = window().try_take();
+      if (!taken) return Poll::pending;
+      if (take(std::move(*taken), out)) return Poll::ready;
     }
     return Poll::end;
   }
@@ -328,23 +321,23 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
   }
 
  private:
-  conveyor::detail::Engine& engine() {
-    if (!engine_) {
-      engine_.emplace(detail::engine_config(1, depth_, /*in_order=*/true, /*strand=*/true),
-                      static_cast<conveyor::detail::TaskRunner&>(*this));
-      engine_->begin_epoch(0, 0);
+  using Window = conveyor::detail::SequencedWindow<detail::Result<T>>;
+
+  Window& window() {
+    if (!window_) {
+      window_.emplace(detail::engine_config(1, depth_, /*in_order=*/true, /*strand=*/true),
+                      static_cast<typename Window::Work&>(*this));
+      window_->begin_epoch(0, 0);
     }
-    return *engine_;
+    return *window_;
   }
   void fill() {
-    while (engine().has_room()) engine().submit(0, {});
+    while (window().has_room()) window().submit(0);
   }
   // True with an item in `out`; false at the end (done_).
-  bool take(const conveyor::detail::ReadyBatch& ready, std::optional<T>& out) {
-    occupancy_.add(engine().stats().in_flight);
-    detail::Result<T> result = std::move(results_[ready.slot]);
-    results_[ready.slot] = {};
-    engine().release(ready);
+  bool take(typename Window::Taken&& taken, std::optional<T>& out) {
+    occupancy_.add(window().in_flight() + 1);  // counting the one just taken
+    detail::Result<T>& result = taken.payload;
     strand_wait_ns_.add(result.busy_ns);
     if (result.error) std::rethrow_exception(result.error);  // upstream's, already named
     if (result.end) {
@@ -356,10 +349,8 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
     return true;
   }
 
-  // ---- TaskRunner: on the strand ----
-  void init_worker(int) override {}
-  void run(conveyor::detail::Job& job, int, const std::exception_ptr&) noexcept override {
-    detail::Result<T>& out = results_[job.slot];
+  // ---- on the strand ----
+  void run(conveyor::detail::Job&, detail::Result<T>& out, int, const std::exception_ptr&) noexcept override {
     if (ended_) {
       out.end = true;
       return;
@@ -378,18 +369,16 @@ class Prefetch final : public Node<T>, private conveyor::detail::TaskRunner {
       advance();
     }
   }
-  void clear(uint32_t slot) noexcept override { results_[slot] = {}; }
 
   NodePtr<T> upstream_;  // advanced on the strand only (reset after a cancel)
   int depth_;
-  std::vector<detail::Result<T>> results_;  // by slot (the engine's contract)
   bool ended_ = false;  // the strand's: upstream said it has no more
   bool done_ = false;   // the consumer's: the end was handed out
   bool timed_ = false;  // set by reset, before the strand runs a job of the pass
   detail::Counter<uint64_t> out_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> strand_wait_ns_;  // timed passes: the strand's time in upstream
-  std::optional<conveyor::detail::Engine> engine_;  // last: stopped first
+  std::optional<Window> window_;  // last: stopped first
 };
 
 inline auto prefetch(int depth) {

@@ -1,0 +1,458 @@
+// conveyor/detail/loader_batches.h: the loader's fetch+collate stage, one
+// piece of code with workers or without.
+//
+//   sampler ─► LoaderBatches ─► (transfer stage) ─► consumer
+//                  │
+//            Lanes: WorkerLanes   (num_workers > 0) the engine's workers,
+//                                 through a SequencedWindow
+//                   InlineLanes   (num_workers == 0) the consumer's thread,
+//                                 one batch when it is asked for
+//
+// BatchWork turns one job into a batch: a map-style batch from its indices,
+// an iterable one from its worker's replica. LoaderBatches is one pass on the
+// consumer's thread: it draws indices from the sampler, gives batch k to
+// worker k % num_workers (round_robin) or any worker (work_stealing), or
+// cycles over the replicas still producing (iterable datasets), and hands
+// batches out in order. What differs without workers is only where a job
+// runs, and that it runs when the consumer asks, not ahead (PyTorch's
+// single-process loading: no sample is read before its batch is wanted).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "conveyor/detail/buffer_pool.h"
+#include "conveyor/detail/check.h"
+#include "conveyor/detail/engine.h"
+#include "conveyor/detail/failure.h"
+#include "conveyor/detail/loader_core.h"
+#include "conveyor/detail/sequenced_window.h"
+#include "conveyor/errors.h"
+
+namespace conveyor::detail {
+
+template <class Batch>
+struct SlotResult {
+  std::optional<Batch> batch;
+  std::exception_ptr error;
+  FailureContext context;
+  // Iterable: the worker has no more batches this pass (with `error` when
+  // its iter() or worker_init_fn failed: that worker counts as exhausted).
+  bool end_of_replica = false;
+  StageTimes times;
+};
+
+// The reorder window a pool gets: prefetch_factor x num_workers, but no more
+// slots than a map-style epoch has batches (at least one per worker), so a
+// small dataset does not pay for a huge prefetch_factor.
+inline size_t window_for(const LoaderPlan& plan) {
+  if (plan.kind != DatasetKind::map) return plan.window;
+  const size_t batches = plan.index_sampler->size();
+  return std::min(plan.window, std::max(batches, plan.num_workers));
+}
+
+// One job into one batch, on whichever thread runs it.
+template <class D, class C>
+class BatchWork {
+ public:
+  using Core = LoaderCore<D, C>;
+  using batch_type = typename Core::batch_type;
+  using sample_type = typename Core::sample_type;
+
+  // `core` owns or outlives the work; one replica per worker (iterable).
+  BatchWork(Core& core, size_t workers) : core_(core), replicas_(workers) {}
+
+  void init_worker(int worker) {
+    if (core_.plan.worker_init_fn) core_.plan.worker_init_fn(worker);
+  }
+
+  // Makes the batch of `job` into `out`, or records why it could not.
+  // `worker` is -1 in the consumer's thread (replica 0, no worker info).
+  void run(const Job& job, SlotResult<batch_type>& out, int worker, const std::exception_ptr& init_failure) noexcept {
+    const char* stage = "fetch";
+    try {
+      if constexpr (MapStyleDataset<D>) {
+        if (init_failure) {
+          stage = "worker_init_fn";
+          std::rethrow_exception(init_failure);
+        }
+        out.batch.emplace(core_.make_batch(job.indices, stage, out.times));
+      } else {
+        produce_from_replica(job, worker, init_failure, out, stage);
+      }
+    } catch (...) {
+      out.error = std::current_exception();
+      out.context = FailureContext{worker, job.batch_index,
+                                   BatchIndices(job.indices.begin(), job.indices.end()), stage};
+    }
+  }
+
+ private:
+  // A worker's replica of an iterable dataset; touched only by that worker's
+  // strand.
+  struct Replica {
+    std::unique_ptr<SampleIterator<sample_type>> iterator;
+    uint64_t pass = 0;
+    bool exhausted = false;
+  };
+
+  void produce_from_replica(const Job& job, int worker, const std::exception_ptr& init_failure,
+                            SlotResult<batch_type>& out, const char*& stage) {
+    if constexpr (IterableStyleDataset<D>) {
+      Replica& replica = replicas_[static_cast<size_t>(std::max(worker, 0))];
+      if (replica.pass != job.pass) {
+        // A new pass: a new replica. A worker whose init or iter() fails
+        // reports it once, then counts as exhausted (PyTorch's rule): the
+        // epoch ends however often a consumer goes on past errors.
+        replica = Replica{nullptr, job.pass, /*exhausted=*/true};
+        out.end_of_replica = true;
+        if (init_failure) {
+          stage = "worker_init_fn";
+          std::rethrow_exception(init_failure);
+        }
+        stage = "iter";
+        // No worker info in the consumer's thread, even inside another
+        // loader's worker.
+        replica.iterator = core_.dataset->iter(worker < 0 ? nullptr : get_worker_info());
+        replica.exhausted = false;
+        out.end_of_replica = false;
+      }
+      if (replica.exhausted) {
+        out.end_of_replica = true;
+        return;
+      }
+      const LoaderPlan& plan = core_.plan;
+      const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
+      stage = "iterate";
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<sample_type> samples = Core::take_samples(*replica.iterator, wanted, replica.exhausted);
+      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) {
+        replica.exhausted = true;
+        out.end_of_replica = true;
+        return;
+      }
+      const auto fetched = std::chrono::steady_clock::now();
+      out.times.fetch_ns += nanoseconds_since(start);
+      stage = "collate";
+      out.batch.emplace(core_.collate_samples(std::move(samples)));
+      out.times.collate_ns += nanoseconds_since(fetched);
+    } else {
+      (void)job, (void)worker, (void)init_failure, (void)out, (void)stage;
+    }
+  }
+
+  Core& core_;
+  std::vector<Replica> replicas_;  // by worker
+};
+
+// The engine's workers and their window. Lives for one pass, or for the
+// loader's lifetime with persistent_workers.
+template <class D, class C>
+class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D, C>::batch_type>>::Work {
+ public:
+  using Core = LoaderCore<D, C>;
+  using batch_type = typename Core::batch_type;
+  using Window = SequencedWindow<SlotResult<batch_type>>;
+
+  // `core` owns or outlives the pool.
+  explicit WorkerPool(Core& core) : work_(core, core.plan.num_workers) {
+    const LoaderPlan& plan = core.plan;
+    EngineConfig config;
+    config.num_workers = plan.num_workers;
+    config.window = window_for(plan);
+    config.in_order = plan.in_order;
+    const bool iterable = plan.kind == DatasetKind::iterable;
+    config.per_worker_queues = iterable || plan.scheduling == Scheduling::round_robin;
+    config.per_batch_generators = plan.scheduling == Scheduling::work_stealing;
+    config.persistent = plan.persistent_workers;
+    config.timeout = plan.timeout;
+    config.worker_prototype.set_dataset(core.dataset.get());
+    window_.emplace(config, *this);
+  }
+
+  // The workers stop before the replicas they use go.
+  ~WorkerPool() override { window_.reset(); }
+
+  Window& window() noexcept { return *window_; }
+
+  // One pass at a time may use a persistent pool. Consumer thread only.
+  bool leased = false;
+
+ private:
+  void init_worker(int worker) override { work_.init_worker(worker); }
+  void run(Job& job, SlotResult<batch_type>& out, int worker,
+           const std::exception_ptr& init_failure) noexcept override {
+    work_.run(job, out, worker, init_failure);
+  }
+
+  BatchWork<D, C> work_;
+  std::optional<Window> window_;  // last: stopped first
+};
+
+// Where LoaderBatches' jobs run: WorkerLanes or InlineLanes. Each has
+//   runs_ahead()   workers compute ahead of the consumer, up to the window;
+//                  in the consumer's thread a job runs only when asked for
+//   count()        workers (iterable: replicas); window()
+//   has_room(), in_flight(), submit(worker, indices)
+//   take(deadline), try_take()   the next finished job, as SequencedWindow's
+//   deadline_from_now()
+// Static, not virtual: the inline loader hands out millions of tiny batches
+// a second (W0), and each of these is called once or twice per batch.
+template <class Batch>
+using LanesTaken = typename SequencedWindow<SlotResult<Batch>>::Taken;
+
+// num_workers > 0: a pool's window, leased for the pass.
+template <class D, class C>
+class WorkerLanes {
+ public:
+  using Core = LoaderCore<D, C>;
+  using Pool = WorkerPool<D, C>;
+  using batch_type = typename Core::batch_type;
+  using Taken = LanesTaken<batch_type>;
+
+  WorkerLanes(std::shared_ptr<Core> core, std::shared_ptr<Pool> pool, int64_t base_seed, uint64_t epoch)
+      : core_(std::move(core)), pool_(std::move(pool)), window_(pool_->window()) {
+    if (pool_->leased) {
+      throw RuntimeError(
+          "this DataLoader has persistent_workers=True and another epoch is still live; a "
+          "persistent loader runs one epoch at a time: finish or destroy the previous one first");
+    }
+    pool_->leased = true;
+    window_.begin_epoch(base_seed, epoch);
+  }
+
+  // Cancels what is queued, waits for what runs, frees every slot. Never
+  // throws. After a timeout, with a dataset the loader co-owns, it does not
+  // wait: the pool (and what its stuck task uses) is handed to a thread that
+  // waits for the task and then frees it all.
+  ~WorkerLanes() {
+    if (timed_out_ && core_->owns_dataset && window_.in_flight() > 0) {
+      if (core_->persistent_pool == pool_) core_->persistent_pool.reset();  // the next pass starts afresh
+      finish_in_background([pool = std::move(pool_), core = std::move(core_)]() mutable {
+        pool->window().cancel();
+        pool.reset();  // stops the workers: before the core they read
+        core.reset();
+      });
+      return;
+    }
+    window_.cancel();
+    pool_->leased = false;
+  }
+
+  bool runs_ahead() const noexcept { return true; }
+  size_t count() const noexcept { return core_->plan.num_workers; }
+  size_t window() const noexcept { return window_.window(); }
+  bool has_room() const noexcept { return window_.has_room(); }
+  size_t in_flight() const noexcept { return window_.in_flight(); }
+  void submit(int worker, std::span<const size_t> indices) { window_.submit(worker, indices); }
+  Taken take(std::chrono::steady_clock::time_point deadline) {
+    try {
+      return window_.take(deadline);
+    } catch (const TimeoutError&) {
+      timed_out_ = true;
+      throw;
+    }
+  }
+  std::optional<Taken> try_take() { return window_.try_take(); }
+  std::chrono::steady_clock::time_point deadline_from_now() const noexcept {
+    return window_.deadline_from_now();
+  }
+
+ private:
+  std::shared_ptr<Core> core_;
+  std::shared_ptr<Pool> pool_;
+  typename Pool::Window& window_;
+  bool timed_out_ = false;  // a wait ran into the timeout this pass
+};
+
+// num_workers == 0: each job runs in the consumer's thread when submitted,
+// which LoaderBatches does only once the consumer asks for its batch. Under
+// work_stealing the job draws from its batch's own generator, as it would on
+// a worker: the same augmentations for any num_workers, 0 included.
+// Otherwise it draws from the process's default generator, as in PyTorch.
+template <class D, class C>
+class InlineLanes {
+ public:
+  using Core = LoaderCore<D, C>;
+  using batch_type = typename Core::batch_type;
+  using Taken = LanesTaken<batch_type>;
+
+  InlineLanes(std::shared_ptr<Core> core, int64_t base_seed, uint64_t epoch)
+      : core_(std::move(core)), work_(*core_, 1), base_seed_(base_seed), epoch_(epoch) {}
+
+  bool runs_ahead() const noexcept { return false; }
+  size_t count() const noexcept { return 1; }
+  size_t window() const noexcept { return 0; }
+  bool has_room() const noexcept { return !held_; }
+  size_t in_flight() const noexcept { return held_ ? 1 : 0; }
+  void submit(int /*worker*/, std::span<const size_t> indices) {
+    Job job;
+    job.batch_index = next_batch_++;
+    job.pass = 1;  // one pass per lanes: replicas start at the first job
+    job.indices = indices;
+    std::optional<WorkerScope> scope;
+    if (core_->plan.scheduling == Scheduling::work_stealing) {
+      scope.emplace(nullptr, work_stealing_seed(base_seed_, epoch_, job.batch_index));
+    }
+    work_.run(job, held_.emplace(), /*worker=*/-1, nullptr);
+    held_batch_ = job.batch_index;
+  }
+  Taken take(std::chrono::steady_clock::time_point) {
+    CONVEYOR_CHECK(held_.has_value(), "inline take with no batch made");
+    Taken taken{std::move(*held_), held_batch_, /*worker=*/0};
+    held_.reset();
+    return taken;
+  }
+  std::optional<Taken> try_take() { return take({}); }
+  std::chrono::steady_clock::time_point deadline_from_now() const noexcept {
+    return std::chrono::steady_clock::time_point::max();
+  }
+
+ private:
+  std::shared_ptr<Core> core_;
+  BatchWork<D, C> work_;
+  int64_t base_seed_;
+  uint64_t epoch_;
+  uint64_t next_batch_ = 0;
+  std::optional<SlotResult<batch_type>> held_;  // made, not yet taken
+  uint64_t held_batch_ = 0;
+};
+
+// One pass of fetch+collate, on the consumer's thread.
+template <class D, class C, class Lanes>
+class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
+ public:
+  using Core = LoaderCore<D, C>;
+  using batch_type = typename Core::batch_type;
+  using Taken = LanesTaken<batch_type>;
+
+  // The sampler's iter() runs here, after the lanes are leased: a throwing
+  // iter() gives the lease back as the lanes go.
+  LoaderBatches(std::shared_ptr<Core> core, std::unique_ptr<Lanes> lanes)
+      : core_(std::move(core)), lanes_(std::move(lanes)) {
+    if (core_->plan.kind == DatasetKind::map) batches_ = core_->plan.index_sampler->iter();
+    active_.assign(lanes_->count(), true);
+    active_count_ = lanes_->count();
+  }
+
+  std::optional<batch_type> next() override {
+    const auto deadline = lanes_->deadline_from_now();  // one timeout for the whole request
+    std::optional<batch_type> batch;
+    while (true) {
+      fill();
+      if (nothing_in_flight()) return std::nullopt;
+      count_wait(lanes_->in_flight());
+      if (take(lanes_->take(deadline), batch)) return batch;
+    }
+  }
+
+  Poll try_next(std::optional<batch_type>& out) override {
+    while (true) {
+      fill();
+      if (nothing_in_flight()) return Poll::end;
+      std::optional<Taken> taken = lanes_->try_take();
+      if (!taken) return Poll::pending;
+      count_wait(lanes_->in_flight() + 1);  // counting the one just taken
+      if (take(std::move(*taken), out)) return Poll::ready;
+    }
+  }
+
+  void add_metrics(LoaderMetrics& metrics) const override {
+    metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
+    metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
+    if (!lanes_->runs_ahead()) return;  // no window without workers
+    metrics.mean_in_flight = waits_ ? static_cast<double>(in_flight_sum_) / static_cast<double>(waits_) : 0;
+    metrics.window = lanes_->window();
+  }
+
+ private:
+  // True at the end of the epoch (it ends on a count). A sampler error is
+  // thrown here, in its place: after every batch drawn before it.
+  bool nothing_in_flight() {
+    if (lanes_->in_flight() > 0) return false;
+    if (sampler_error_) std::rethrow_exception(std::exchange(sampler_error_, nullptr));
+    return true;
+  }
+
+  void count_wait(size_t in_flight) {
+    in_flight_sum_ += in_flight;
+    ++waits_;
+  }
+
+  // True when the job made a batch (now in `out`); false when it had none
+  // (a worker's replica ended). Throws a failed batch's error in its place.
+  bool take(Taken&& taken, std::optional<batch_type>& out) {
+    SlotResult<batch_type>& result = taken.payload;
+    times_.fetch_ns += result.times.fetch_ns;
+    times_.collate_ns += result.times.collate_ns;
+    if (result.end_of_replica) {
+      const auto worker = static_cast<size_t>(taken.worker);
+      if (active_[worker]) {
+        active_[worker] = false;
+        --active_count_;
+      }
+    }
+    if (lanes_->runs_ahead()) fill();  // keep the workers busy while the consumer uses this batch
+    if (result.error) throw_worker_error(result.error, std::move(result.context));
+    if (!result.batch) return false;
+    out = std::move(result.batch);
+    return true;
+  }
+
+  // Submits work until the lanes are full or the pass has nothing more. A
+  // sampler that throws stops the submitting; its error waits for its turn
+  // (nothing_in_flight()), and the next request asks the sampler again.
+  void fill() {
+    const size_t workers = lanes_->count();
+    while (lanes_->has_room()) {
+      if (core_->plan.kind == DatasetKind::map) {
+        if (sampler_done_ || sampler_error_) return;
+        try {
+          if (!batches_->next(indices_)) {
+            sampler_done_ = true;
+            return;
+          }
+        } catch (...) {
+          sampler_error_ = std::current_exception();
+          return;
+        }
+        const int worker = core_->plan.scheduling == Scheduling::round_robin
+                               ? static_cast<int>(submitted_ % workers)
+                               : -1;
+        lanes_->submit(worker, indices_);
+        ++submitted_;
+      } else {
+        if (active_count_ == 0) return;
+        // The next worker in the cycle that still produces (PyTorch's
+        // _worker_queue_idx_cycle).
+        while (!active_[next_worker_]) next_worker_ = (next_worker_ + 1) % workers;
+        lanes_->submit(static_cast<int>(next_worker_), {});
+        next_worker_ = (next_worker_ + 1) % workers;
+      }
+    }
+  }
+
+  std::shared_ptr<Core> core_;
+  std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
+  BatchIndices indices_;  // the sampler's scratch, reused for every batch
+  bool sampler_done_ = false;
+  std::exception_ptr sampler_error_;  // thrown by the sampler, not yet by next()
+  uint64_t submitted_ = 0;
+  StageTimes times_;  // summed from the results taken
+  uint64_t in_flight_sum_ = 0;
+  uint64_t waits_ = 0;
+  std::vector<bool> active_;  // iterable: workers still producing
+  size_t active_count_ = 0;
+  size_t next_worker_ = 0;
+  // Last: the lanes stop (and give the pool back) before the sampler goes.
+  std::unique_ptr<Lanes> lanes_;
+};
+
+}  // namespace conveyor::detail

@@ -187,7 +187,36 @@ std::string NginxServer::url(const std::string& path) const {
   return "http://127.0.0.1:" + std::to_string(port_) + path;
 }
 
+void NginxServer::sync_log() const {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw std::runtime_error("socket() failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(port_);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    ::close(fd);
+    return;  // stopped: nothing more will be answered or logged
+  }
+  const std::string request = "GET /conveyor-log-sync HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  bool sent = ::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size());
+  // Read to the end: nginx closes once it has answered.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  char buffer[4096];
+  while (sent) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    pollfd readable{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&readable, 1, static_cast<int>(left.count())) <= 0) {
+      ::close(fd);
+      throw std::runtime_error("nginx did not answer the log sync request within 10 s");
+    }
+    if (::recv(fd, buffer, sizeof buffer, 0) <= 0) break;
+  }
+  ::close(fd);
+}
+
 std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
+  sync_log();
   const std::string log = read_text(dir_ + "/access.log");
   const std::string needle = "\"GET " + path + " ";
   std::vector<int> statuses;
@@ -199,6 +228,7 @@ std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
 }
 
 int NginxServer::requests_logged(const std::string& path) const {
+  sync_log();
   const std::string log = read_text(dir_ + "/access.log");
   const std::string needle = "\"GET " + path + " ";
   int count = 0;

@@ -42,13 +42,17 @@ class NginxServer {
 
   uint16_t port() const noexcept { return port_; }
   std::string url(const std::string& path) const;  // path starts with '/'
-  // How many requests for `path` the access log holds. The log line is
-  // written by nginx's only worker after the response is sent: make any
-  // other request first (the worker answers it only after logging the
-  // earlier ones) to count every request already answered.
+  // How many requests for `path` the access log holds, counting every
+  // request answered so far: nginx's only worker writes a request's log
+  // line after sending its response, so a client can be done before the
+  // line is; both first make a round trip of their own (sync_log()).
   int requests_logged(const std::string& path) const;
   // The statuses of those requests, in log order (200, 206, ...).
   std::vector<int> statuses_logged(const std::string& path) const;
+  // A request on a new connection, answered (with a 404) only after the
+  // worker has logged every request it answered before. Does nothing while
+  // the server is stopped.
+  void sync_log() const;
 
  private:
   void start_on(uint16_t port);  // 0: a free one

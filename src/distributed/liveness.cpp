@@ -180,27 +180,35 @@ Watch::~Watch() {
   }
 }
 
-std::vector<int> Watch::gone(std::chrono::milliseconds budget) const {
-  std::vector<pollfd> entries;
-  std::vector<int> ranks;
+std::vector<int> Watch::gone(std::chrono::milliseconds budget, std::chrono::milliseconds settle) const {
+  std::vector<pollfd> watching;
+  std::vector<int> ranks;  // beside `watching`
   for (size_t rank = 0; rank < fds_.size(); ++rank) {
     if (fds_[rank] < 0) continue;
     // Nothing is ever sent on these: any event is the peer's end closing.
-    entries.push_back({fds_[rank], POLLIN | POLLRDHUP, 0});
+    watching.push_back({fds_[rank], POLLIN | POLLRDHUP, 0});
     ranks.push_back(static_cast<int>(rank));
   }
   std::vector<int> out;
-  const auto deadline = std::chrono::steady_clock::now() + budget;
-  for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    int ready = ::poll(entries.data(), entries.size(), static_cast<int>(std::max<long>(0, left.count())));
+  using Clock = std::chrono::steady_clock;
+  auto deadline = Clock::now() + budget;
+  while (!watching.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const int ready = ::poll(watching.data(), watching.size(), static_cast<int>(std::max<long>(0, left.count())));
     if (ready < 0 && errno == EINTR) continue;
-    break;
+    if (ready <= 0) break;  // the deadline (or a poll error: report what is known)
+    if (out.empty()) deadline = std::min(deadline, Clock::now() + settle);
+    for (size_t i = 0; i < watching.size();) {
+      if (watching[i].revents == 0) {
+        ++i;
+        continue;
+      }
+      out.push_back(ranks[i]);
+      watching.erase(watching.begin() + static_cast<std::ptrdiff_t>(i));
+      ranks.erase(ranks.begin() + static_cast<std::ptrdiff_t>(i));
+    }
   }
-  for (size_t i = 0; i < entries.size(); ++i) {
-    if (entries[i].revents != 0) out.push_back(ranks[i]);
-  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 

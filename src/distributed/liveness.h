@@ -66,9 +66,14 @@ class Watch {
   Watch& operator=(const Watch&) = delete;
   ~Watch();
 
-  // The ranks whose connection hung up: waits up to `budget` for the first,
-  // then takes every other one already down. Empty when none did.
-  std::vector<int> gone(std::chrono::milliseconds budget) const;
+  // The ranks whose connection hung up, in rank order: waits up to `budget`
+  // for the first, then up to `settle` more for others. One death brings
+  // down the ranks that talk to it, and the first hang-up seen may be one of
+  // those (a rank that failed fast and exited) while the rank that died first
+  // is still closing its sockets: waiting `settle` names it too. Empty when
+  // none hung up.
+  std::vector<int> gone(std::chrono::milliseconds budget,
+                        std::chrono::milliseconds settle = std::chrono::milliseconds(500)) const;
 
  private:
   std::vector<int> fds_;  // by rank; -1 for self

@@ -201,7 +201,8 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
 //                  in the consumer's thread a job runs only when asked for
 //   count()        workers (iterable: replicas); window()
 //   has_room(), in_flight(), submit(worker, indices)
-//   take(deadline), try_take()   the next finished job, as SequencedWindow's
+//   take(deadline), try_take()   the next finished job: moved out of the
+//                  window, or (inline) a reference to the one just made
 //   deadline_from_now()
 // Static, not virtual: the inline loader hands out millions of tiny batches
 // a second (W0), and each of these is called once or twice per batch.
@@ -285,7 +286,9 @@ class InlineLanes {
   using Taken = LanesTaken<batch_type>;
 
   InlineLanes(std::shared_ptr<Core> core, int64_t base_seed, uint64_t epoch)
-      : core_(std::move(core)), work_(*core_, 1), base_seed_(base_seed), epoch_(epoch) {}
+      : core_(std::move(core)), work_(*core_, 1), base_seed_(base_seed), epoch_(epoch) {
+    made_.worker = 0;  // the only lane
+  }
 
   bool runs_ahead() const noexcept { return false; }
   size_t count() const noexcept { return 1; }
@@ -301,16 +304,25 @@ class InlineLanes {
     if (core_->plan.scheduling == Scheduling::work_stealing) {
       scope.emplace(nullptr, work_stealing_seed(base_seed_, epoch_, job.batch_index));
     }
-    work_.run(job, held_.emplace(), /*worker=*/-1, nullptr);
-    held_batch_ = job.batch_index;
+    // One result, reused: what the last take left in it (a moved-from
+    // batch, an error) is cleared here; a context only matters with an error.
+    SlotResult<batch_type>& out = made_.payload;
+    out.batch.reset();
+    out.error = nullptr;
+    out.end_of_replica = false;
+    out.times = {};
+    work_.run(job, out, /*worker=*/-1, nullptr);
+    made_.batch_index = job.batch_index;
+    held_ = true;
   }
-  Taken take(std::chrono::steady_clock::time_point) {
-    CONVEYOR_CHECK(held_.has_value(), "inline take with no batch made");
-    Taken taken{std::move(*held_), held_batch_, /*worker=*/0};
-    held_.reset();
-    return taken;
+  // The made job, in place: LoaderBatches moves the batch out of it (one
+  // move per batch, as when a job made it straight into the return value).
+  Taken& take(std::chrono::steady_clock::time_point) {
+    CONVEYOR_CHECK(held_, "inline take with no batch made");
+    held_ = false;
+    return made_;
   }
-  std::optional<Taken> try_take() { return take({}); }
+  Taken* try_take() { return &take({}); }
   std::chrono::steady_clock::time_point deadline_from_now() const noexcept {
     return std::chrono::steady_clock::time_point::max();
   }
@@ -321,8 +333,8 @@ class InlineLanes {
   int64_t base_seed_;
   uint64_t epoch_;
   uint64_t next_batch_ = 0;
-  std::optional<SlotResult<batch_type>> held_;  // made, not yet taken
-  uint64_t held_batch_ = 0;
+  Taken made_;         // the last job's result
+  bool held_ = false;  // made_ holds a job not yet taken
 };
 
 // One pass of fetch+collate, on the consumer's thread.
@@ -349,7 +361,8 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
       fill();
       if (nothing_in_flight()) return std::nullopt;
       count_wait(lanes_->in_flight());
-      if (take(lanes_->take(deadline), batch)) return batch;
+      auto&& taken = lanes_->take(deadline);  // by value from the window, by reference inline
+      if (take(taken, batch)) return batch;
     }
   }
 
@@ -357,10 +370,10 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
     while (true) {
       fill();
       if (nothing_in_flight()) return Poll::end;
-      std::optional<Taken> taken = lanes_->try_take();
+      auto taken = lanes_->try_take();  // std::optional<Taken>, or Taken* in this thread
       if (!taken) return Poll::pending;
       count_wait(lanes_->in_flight() + 1);  // counting the one just taken
-      if (take(std::move(*taken), out)) return Poll::ready;
+      if (take(*taken, out)) return Poll::ready;
     }
   }
 
@@ -388,7 +401,9 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
 
   // True when the job made a batch (now in `out`); false when it had none
   // (a worker's replica ended). Throws a failed batch's error in its place.
-  bool take(Taken&& taken, std::optional<batch_type>& out) {
+  // `taken`: a finished job moved out of the window, or the inline lanes'
+  // result in place.
+  bool take(Taken& taken, std::optional<batch_type>& out) {
     SlotResult<batch_type>& result = taken.payload;
     times_.fetch_ns += result.times.fetch_ns;
     times_.collate_ns += result.times.collate_ns;

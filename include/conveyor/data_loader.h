@@ -42,6 +42,7 @@
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/metrics.h"
+#include "conveyor/node.h"
 #include "conveyor/options.h"
 #include "conveyor/sampler.h"
 #include "conveyor/warnings.h"
@@ -97,6 +98,15 @@ class DataLoader {
       metrics.wall_seconds = static_cast<double>(detail::nanoseconds_since(started_)) * 1e-9;
       return metrics;
     }
+
+    // The epoch as a node graph, one row per node, sources first:
+    // fetch+collate, then to_device with prefetch_to_device. Print it with
+    // conveyor::metrics_table().
+    std::vector<NodeMetrics> node_metrics() const {
+      std::vector<NodeMetrics> out;
+      source_->collect_metrics(out);
+      return out;
+    }
     // The base seed this epoch drew (PyTorch's _base_seed).
     int64_t base_seed() const noexcept { return base_seed_; }
 
@@ -128,16 +138,21 @@ class DataLoader {
 
    private:
     friend class DataLoader;
-    Epoch(std::shared_ptr<Core> core, int64_t base_seed,
-          std::unique_ptr<detail::BatchSource<batch_type>> source)
+    // Builds the epoch's graph on `source` (fetch+collate) and starts its
+    // pass, whose seed is the epoch's base seed.
+    Epoch(std::shared_ptr<Core> core, int64_t base_seed, uint64_t epoch,
+          std::unique_ptr<detail::LoaderNode<batch_type>> source)
         : core_(std::move(core)), base_seed_(base_seed), source_(std::move(source)) {
       if (core_->plan.prefetch_to_device > 0) {
-        // The transfer stage wraps whatever produced the batches.
         auto stage = std::make_unique<detail::TransferStage<batch_type>>(
             std::move(source_), core_->plan.transfer_device, core_->plan.prefetch_to_device);
         transfer_ = stage.get();
         source_ = std::move(stage);
       }
+      PassContext pass;
+      pass.epoch = epoch;
+      pass.seed = static_cast<uint64_t>(base_seed);
+      source_->reset(pass);
     }
 
     void keep_metrics() noexcept {
@@ -171,8 +186,8 @@ class DataLoader {
 
     std::shared_ptr<Core> core_;
     int64_t base_seed_;
-    std::unique_ptr<detail::BatchSource<batch_type>> source_;
-    detail::TransferStage<batch_type>* transfer_ = nullptr;  // within source_, if any
+    std::unique_ptr<detail::LoaderNode<batch_type>> source_;  // the graph's last node
+    detail::TransferStage<batch_type>* transfer_ = nullptr;    // within source_, if any
     std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
     int64_t wait_ns_ = 0;
     size_t yielded_ = 0;
@@ -234,7 +249,7 @@ class DataLoader {
       if (core.plan.persistent_workers) core.persistent_base_seed = base_seed;
     }
     const uint64_t epoch = core.epoch++;
-    return Epoch(core_, base_seed, make_source(base_seed, epoch));
+    return Epoch(core_, base_seed, epoch, make_source());
   }
   iterator begin() { return iterator(iter()); }
   std::default_sentinel_t end() const noexcept { return {}; }
@@ -301,8 +316,8 @@ class DataLoader {
     return plan;
   }
 
-  // The epoch's fetch+collate stage: on the workers, or in this thread.
-  std::unique_ptr<detail::BatchSource<batch_type>> make_source(int64_t base_seed, uint64_t epoch) {
+  // The epoch's fetch+collate node: on the workers, or in this thread.
+  std::unique_ptr<detail::LoaderNode<batch_type>> make_source() {
     Core& core = *core_;
     if (core.plan.num_workers > 0) {
       using Pool = detail::WorkerPool<D, C>;
@@ -315,11 +330,10 @@ class DataLoader {
       }
       using Lanes = detail::WorkerLanes<D, C>;
       return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(
-          core_, std::make_unique<Lanes>(core_, std::move(pool), base_seed, epoch));
+          core_, std::make_unique<Lanes>(core_, std::move(pool)));
     }
     using Lanes = detail::InlineLanes<D, C>;
-    return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(core_,
-                                                                std::make_unique<Lanes>(core_, base_seed, epoch));
+    return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(core_, std::make_unique<Lanes>(core_));
   }
 
   LoaderOptions options_;

@@ -192,3 +192,52 @@ TEST(Transfer, CustomBatchesOptInThroughTransferTraits) {
 }
 
 }  // namespace
+
+namespace {
+
+// The epoch is a node graph: fetch+collate, then to_device. Each node counts
+// what it took and handed on, failed batches included, and both print as a
+// metrics table.
+TEST(EpochGraph, NodeMetricsCountEachNodesBatchesFailuresIncluded) {
+  ThrowingDataset dataset(kBatch * 6, {kBatch * 2 + 5});
+  auto device = conveyor::make_host_standin_device();
+  for (int workers : {0, 3}) {
+    SCOPED_TRACE("num_workers " + std::to_string(workers));
+    conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = workers, .pin_memory = true,
+                                          .transfer_device = device, .prefetch_to_device = 2});
+    auto epoch = loader.iter();
+    const auto events = conveyor::testing::walk_epoch(epoch, first_batch_number, [](const conveyor::WorkerError&) {});
+    EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "error@2", "3", "4", "5"}));
+
+    const std::vector<conveyor::NodeMetrics> nodes = epoch.node_metrics();
+    ASSERT_EQ(nodes.size(), 2u);
+    EXPECT_EQ(nodes[0].name, workers ? "fetch+collate(3 workers)" : "fetch+collate");
+    EXPECT_EQ(nodes[0].items_in, 6u);
+    EXPECT_EQ(nodes[0].items_out, 6u);
+    EXPECT_EQ(nodes[0].window, workers ? 6u : 0u);
+    EXPECT_GT(nodes[0].busy_seconds, 0);
+    EXPECT_EQ(nodes[1].name, "to_device(2)");
+    EXPECT_EQ(nodes[1].items_in, 6u);
+    EXPECT_EQ(nodes[1].items_out, 6u);
+    EXPECT_EQ(nodes[1].window, 3u);
+    EXPECT_NE(nodes[0].id, nodes[1].id);
+    const std::string table = conveyor::metrics_table(nodes);
+    EXPECT_NE(table.find("to_device(2)"), std::string::npos) << table;
+  }
+}
+
+// Without a device the graph is one node, and a pass that stops early
+// reports what it handed out so far.
+TEST(EpochGraph, APartialEpochReportsWhatItHandedOut) {
+  RangeDataset dataset(kBatch * 10);
+  conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = 2});
+  auto epoch = loader.iter();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(epoch.next().has_value());
+  const std::vector<conveyor::NodeMetrics> nodes = epoch.node_metrics();
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].items_out, 3u);
+  EXPECT_GE(nodes[0].items_in, 3u);  // and the window's worth submitted ahead
+  EXPECT_LE(nodes[0].items_in, 3u + nodes[0].window);
+}
+
+}  // namespace

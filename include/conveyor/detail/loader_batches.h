@@ -1,7 +1,11 @@
 // conveyor/detail/loader_batches.h: the loader's fetch+collate stage, one
 // piece of code with workers or without.
 //
-//   sampler ─► LoaderBatches ─► (transfer stage) ─► consumer
+//   sampler ─► LoaderBatches ─► (TransferStage) ─► consumer
+//
+// The epoch's graph: LoaderBatches ("fetch+collate") and, with
+// prefetch_to_device, TransferStage ("to_device") are LoaderNodes, reset
+// once per epoch with its base seed.
 //                  │
 //            Lanes: WorkerLanes   (num_workers > 0) the engine's workers,
 //                                 through a SequencedWindow
@@ -25,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -218,7 +223,7 @@ class WorkerLanes {
   using batch_type = typename Core::batch_type;
   using Taken = LanesTaken<batch_type>;
 
-  WorkerLanes(std::shared_ptr<Core> core, std::shared_ptr<Pool> pool, int64_t base_seed, uint64_t epoch)
+  WorkerLanes(std::shared_ptr<Core> core, std::shared_ptr<Pool> pool)
       : core_(std::move(core)), pool_(std::move(pool)), window_(pool_->window()) {
     if (pool_->leased) {
       throw RuntimeError(
@@ -226,6 +231,12 @@ class WorkerLanes {
           "persistent loader runs one epoch at a time: finish or destroy the previous one first");
     }
     pool_->leased = true;
+  }
+
+  // Drops what the last pass left in flight (waiting for what runs) and
+  // starts the next: its seeds, its replicas.
+  void begin_pass(int64_t base_seed, uint64_t epoch) {
+    window_.cancel();
     window_.begin_epoch(base_seed, epoch);
   }
 
@@ -285,9 +296,16 @@ class InlineLanes {
   using batch_type = typename Core::batch_type;
   using Taken = LanesTaken<batch_type>;
 
-  InlineLanes(std::shared_ptr<Core> core, int64_t base_seed, uint64_t epoch)
-      : core_(std::move(core)), work_(*core_, 1), base_seed_(base_seed), epoch_(epoch) {
+  explicit InlineLanes(std::shared_ptr<Core> core) : core_(std::move(core)), work_(*core_, 1) {
     made_.worker = 0;  // the only lane
+  }
+
+  void begin_pass(int64_t base_seed, uint64_t epoch) {
+    base_seed_ = base_seed;
+    epoch_ = epoch;
+    ++pass_;  // a new replica at the pass's first job
+    next_batch_ = 0;
+    held_ = false;
   }
 
   bool runs_ahead() const noexcept { return false; }
@@ -298,7 +316,7 @@ class InlineLanes {
   void submit(int /*worker*/, std::span<const size_t> indices) {
     Job job;
     job.batch_index = next_batch_++;
-    job.pass = 1;  // one pass per lanes: replicas start at the first job
+    job.pass = pass_;
     job.indices = indices;
     std::optional<WorkerScope> scope;
     if (core_->plan.scheduling == Scheduling::work_stealing) {
@@ -330,28 +348,49 @@ class InlineLanes {
  private:
   std::shared_ptr<Core> core_;
   BatchWork<D, C> work_;
-  int64_t base_seed_;
-  uint64_t epoch_;
+  int64_t base_seed_ = 0;
+  uint64_t epoch_ = 0;
+  uint64_t pass_ = 0;
   uint64_t next_batch_ = 0;
   Taken made_;         // the last job's result
   bool held_ = false;  // made_ holds a job not yet taken
 };
 
-// One pass of fetch+collate, on the consumer's thread.
+// fetch+collate: the epoch graph's source node, driven from the consumer's
+// thread. A pass's seed is the epoch's base seed.
 template <class D, class C, class Lanes>
-class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_type> {
+class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_type> {
  public:
   using Core = LoaderCore<D, C>;
   using batch_type = typename Core::batch_type;
   using Taken = LanesTaken<batch_type>;
 
+  LoaderBatches(std::shared_ptr<Core> core, std::unique_ptr<Lanes> lanes)
+      : core_(std::move(core)), lanes_(std::move(lanes)) {}
+
+  using Node<batch_type>::reset;
   // The sampler's iter() runs here, after the lanes are leased: a throwing
   // iter() gives the lease back as the lanes go.
-  LoaderBatches(std::shared_ptr<Core> core, std::unique_ptr<Lanes> lanes)
-      : core_(std::move(core)), lanes_(std::move(lanes)) {
-    if (core_->plan.kind == DatasetKind::map) batches_ = core_->plan.index_sampler->iter();
+  void reset(const PassContext& pass, ResetWalk& walk) override {
+    id_ = walk.next_id++;
+    lanes_->begin_pass(static_cast<int64_t>(pass.seed), pass.epoch);
+    batches_.reset();
+    sampler_done_ = false;
+    sampler_error_ = nullptr;
+    submitted_ = 0;
+    handed_out_ = 0;
+    times_ = {};
+    in_flight_sum_ = 0;
+    waits_ = 0;
     active_.assign(lanes_->count(), true);
     active_count_ = lanes_->count();
+    next_worker_ = 0;
+    if (core_->plan.kind == DatasetKind::map) batches_ = core_->plan.index_sampler->iter();
+  }
+
+  std::string name() const override {
+    if (!lanes_->runs_ahead()) return "fetch+collate";
+    return "fetch+collate(" + std::to_string(lanes_->count()) + " workers)";
   }
 
   std::optional<batch_type> next() override {
@@ -381,8 +420,21 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
     metrics.fetch_seconds += static_cast<double>(times_.fetch_ns) * 1e-9;
     metrics.collate_seconds += static_cast<double>(times_.collate_ns) * 1e-9;
     if (!lanes_->runs_ahead()) return;  // no window without workers
-    metrics.mean_in_flight = waits_ ? static_cast<double>(in_flight_sum_) / static_cast<double>(waits_) : 0;
+    metrics.mean_in_flight = mean_in_flight();
     metrics.window = lanes_->window();
+  }
+  // In: jobs handed to the lanes (the sampler's batches of indices, or
+  // requests to a replica); out: batches and failed batches handed on.
+  void collect_metrics(std::vector<NodeMetrics>& out) const override {
+    NodeMetrics mine{name(), id_};
+    mine.items_in = submitted_;
+    mine.items_out = handed_out_;
+    mine.busy_seconds = static_cast<double>(times_.fetch_ns + times_.collate_ns) * 1e-9;
+    if (lanes_->runs_ahead()) {
+      mine.window = lanes_->window();
+      mine.mean_in_flight = mean_in_flight();
+    }
+    out.push_back(std::move(mine));
   }
 
  private:
@@ -397,6 +449,9 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
   void count_wait(size_t in_flight) {
     in_flight_sum_ += in_flight;
     ++waits_;
+  }
+  double mean_in_flight() const {
+    return waits_ ? static_cast<double>(in_flight_sum_) / static_cast<double>(waits_) : 0;
   }
 
   // True when the job made a batch (now in `out`); false when it had none
@@ -415,8 +470,9 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
       }
     }
     if (lanes_->runs_ahead()) fill();  // keep the workers busy while the consumer uses this batch
+    if (!result.error && !result.batch) return false;
+    ++handed_out_;
     if (result.error) throw_worker_error(result.error, std::move(result.context));
-    if (!result.batch) return false;
     out = std::move(result.batch);
     return true;
   }
@@ -449,6 +505,7 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
         // _worker_queue_idx_cycle).
         while (!active_[next_worker_]) next_worker_ = (next_worker_ + 1) % workers;
         lanes_->submit(static_cast<int>(next_worker_), {});
+        ++submitted_;
         next_worker_ = (next_worker_ + 1) % workers;
       }
     }
@@ -459,7 +516,9 @@ class LoaderBatches final : public BatchSource<typename LoaderCore<D, C>::batch_
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;
   std::exception_ptr sampler_error_;  // thrown by the sampler, not yet by next()
+  uint64_t id_ = 0;
   uint64_t submitted_ = 0;
+  uint64_t handed_out_ = 0;
   StageTimes times_;  // summed from the results taken
   uint64_t in_flight_sum_ = 0;
   uint64_t waits_ = 0;

@@ -61,8 +61,6 @@ struct batch_of {
   static constexpr bool kTakesSample = sample_result_fits();
 };
 
-// The seam between the loader and what produces its batches: in the
-// consumer's thread (num_workers == 0) or on the engine's workers.
 // Where a batch's time went (nanoseconds).
 struct StageTimes {
   int64_t fetch_ns = 0;
@@ -74,23 +72,16 @@ inline int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+// A node of a DataLoader's epoch graph (fetch+collate, then to_device): a
+// Node whose share of the loader's metrics adds up to LoaderMetrics. Its
+// next() throws a failed batch's WorkerError at its position (the following
+// call goes on after it) and waits at most the loader's timeout in all
+// (TimeoutError); try_next() never waits for a worker.
 template <class Batch>
-class BatchSource {
+class LoaderNode : public Node<Batch> {
  public:
-  virtual ~BatchSource() = default;
-  // Adds this source's share to `metrics` (worker time, window occupancy).
+  // Adds this node's share, and its upstream's, to `metrics`.
   virtual void add_metrics(LoaderMetrics& /*metrics*/) const {}
-  // The next batch, std::nullopt at the end of the epoch. A failed batch
-  // throws WorkerError at its position; the following call goes on after it.
-  // Waits at most the loader's timeout in all (TimeoutError).
-  virtual std::optional<Batch> next() = 0;
-  // next() without waiting for a worker: `out` gets the batch when one is
-  // ready. Throws what next() would throw at that position. A source that
-  // makes batches in the caller's thread is always ready.
-  virtual Poll try_next(std::optional<Batch>& out) {
-    out = next();
-    return out ? Poll::ready : Poll::end;
-  }
 };
 
 // How many samples to reserve room for when up to `wanted` may come: a

@@ -21,6 +21,7 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -29,16 +30,34 @@
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/loader_core.h"
 #include "conveyor/errors.h"
+#include "conveyor/metrics.h"
+#include "conveyor/node.h"
 #include "conveyor/transfer.h"
 
 namespace conveyor::detail {
 
 template <class Batch>
-class TransferStage final : public BatchSource<Batch> {
+class TransferStage final : public LoaderNode<Batch> {
  public:
-  TransferStage(std::unique_ptr<BatchSource<Batch>> inner, std::shared_ptr<TransferDevice> device,
+  TransferStage(std::unique_ptr<LoaderNode<Batch>> inner, std::shared_ptr<TransferDevice> device,
                 size_t depth)
       : inner_(std::move(inner)), device_(std::move(device)), depth_(depth) {}
+
+  using Node<Batch>::reset;
+  // Copies still queued from the last pass are dropped (safely: their
+  // memory is freed only after their events).
+  void reset(const PassContext& pass, ResetWalk& walk) override {
+    pending_.clear();
+    current_ = {};
+    current_scratch_.clear();
+    inner_done_ = false;
+    pulled_ = 0;
+    handed_out_ = 0;
+    transfer_ns_ = 0;
+    inner_->reset(pass, walk);
+    id_ = walk.next_id++;
+  }
+  std::string name() const override { return "to_device(" + std::to_string(depth_) + ")"; }
 
   std::optional<Batch> next() override {
     if (pending_.empty() && !inner_done_) pull(/*wait=*/true);
@@ -50,6 +69,7 @@ class TransferStage final : public BatchSource<Batch> {
     pending_.pop_front();
     current_ = std::move(entry.device);
     current_scratch_ = std::move(entry.scratch);
+    ++handed_out_;
     if (entry.error) std::rethrow_exception(entry.error);
     return std::move(entry.batch);
   }
@@ -66,6 +86,17 @@ class TransferStage final : public BatchSource<Batch> {
   void add_metrics(LoaderMetrics& metrics) const override {
     inner_->add_metrics(metrics);
     metrics.transfer_seconds += static_cast<double>(transfer_ns_) * 1e-9;
+  }
+  // Time queueing copies (on the consumer's thread) counts as busy; the
+  // window is the batches copying ahead plus the one handed out.
+  void collect_metrics(std::vector<NodeMetrics>& out) const override {
+    inner_->collect_metrics(out);
+    NodeMetrics mine{name(), id_};
+    mine.items_in = pulled_;
+    mine.items_out = handed_out_;
+    mine.busy_seconds = static_cast<double>(transfer_ns_) * 1e-9;
+    mine.window = depth_ + 1;
+    out.push_back(std::move(mine));
   }
 
  private:
@@ -104,14 +135,14 @@ class TransferStage final : public BatchSource<Batch> {
     } catch (...) {
       entry.error = std::current_exception();  // already a WorkerError, in order
     }
+    if (!entry.error && !entry.batch) {
+      inner_done_ = true;
+      return false;
+    }
     const uint64_t index = pulled_++;
     if (entry.error) {
       pending_.push_back(std::move(entry));
       return true;
-    }
-    if (!entry.batch) {
-      inner_done_ = true;
-      return false;
     }
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -155,11 +186,13 @@ class TransferStage final : public BatchSource<Batch> {
     for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
   }
 
-  std::unique_ptr<BatchSource<Batch>> inner_;
+  std::unique_ptr<LoaderNode<Batch>> inner_;
   std::shared_ptr<TransferDevice> device_;
   size_t depth_;
+  uint64_t id_ = 0;
   bool inner_done_ = false;
-  uint64_t pulled_ = 0;
+  uint64_t pulled_ = 0;      // from the stage before, errors included
+  uint64_t handed_out_ = 0;  // by next(), errors included
   int64_t transfer_ns_ = 0;
   std::deque<Entry> pending_;  // copies queued, not handed out yet
   DeviceBatch current_;

@@ -27,6 +27,7 @@
 
 #include "conveyor/buffer.h"
 #include "conveyor/detail/buffer_pool.h"
+#include "conveyor/detail/check.h"
 #include "conveyor/detail/transfer_stage.h"
 #include "conveyor/errors.h"
 #include "conveyor/metrics.h"
@@ -103,10 +104,15 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
 
  private:
   // The transfer stage's view of this node's upstream: pulls count as the
-  // node's input.
-  class Upstream final : public conveyor::detail::BatchSource<T> {
+  // node's input. Made for one pass, after this node reset its upstream.
+  class Upstream final : public conveyor::detail::LoaderNode<T> {
    public:
     explicit Upstream(ToDevice& node) : node_(node) {}
+    using Node<T>::reset;
+    void reset(const PassContext&, conveyor::detail::ResetWalk&) override {
+      CONVEYOR_CHECK(false, "to_device's stage is made per pass and never reset");
+    }
+    std::string name() const override { return node_.upstream_->name(); }
     std::optional<T> next() override { return node_.pull(); }
     Poll try_next(std::optional<T>& out) override {
       const Poll poll = node_.upstream_->try_next(out);

@@ -3,7 +3,8 @@
 //
 //   conveyor_driver --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]
 //                   [--in-order 0|1] [--seconds S] [--warmup S] [--samples N]
-//                   [--w2-iterations K] [--shards a.tar,b.tar|URLs] [--pipeline loader|nodes]
+//                   [--w2-iterations K] [--shards a.tar,b.tar|URLs]
+//                   [--pipeline loader|nodes|nodes-batched|limit|async]
 //
 // Options: batch_size per workload, sequential order (no shuffle),
 // prefetch_factor 2, persistent_workers for N > 0. The JSON line adds
@@ -13,7 +14,13 @@
 // instead of a DataLoader (peer "conveyor-nodes"):
 //   shard paths | untar (streamed) | group_by_key | map(decode + augment, W workers)
 //          | batch | collate
-// the serial nodes on the consumer's thread, map on W engine workers.
+// the serial nodes on the consumer's thread, map on W engine workers. With
+// --pipeline nodes-batched ("conveyor-nodes-batched") the samples are batched
+// before the workers, which decode, augment and collate a batch each, as
+// LibTorch's workers do:
+//   shard paths | untar | group_by_key | batch | map(decode + augment + collate)
+// With --pipeline limit ("decode-limit") W threads run the decode, augment
+// and collate on samples already in memory, with no loader: the CPU's limit.
 //
 // W3 with --pipeline async (peer "conveyor-async", W3-async): the same 1 ms
 // per sample through the async interface instead of a sleeping worker each:
@@ -25,6 +32,8 @@
 #include <conveyor/nodes.h>
 #include <conveyor/nodes/async.h>
 #if CONVEYOR_PERF_HAVE_FORMATS
+#include <conveyor/detail/worker_scope.h>
+#include <conveyor/generator.h>
 #include <conveyor/idx.h>
 #include <conveyor/image.h>
 #include <conveyor/nodes.h>
@@ -37,11 +46,12 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
-#include <memory>
-
 #include <fstream>
+#include <memory>
+#include <thread>
 
 #include "conveyor_run.h"
 #include "deadline_timer.h"
@@ -139,12 +149,42 @@ int run_w5(perf::Args args) {
   return perf::run_conveyor(args, *decoded, "conveyor");
 }
 
+template <class P>
+int drive_w5_pipeline(perf::Args args, P& pipeline);
+
 int run_w5_nodes(perf::Args args) {
   namespace nodes = conveyor::nodes;
+  if (args.pipeline == "nodes-batched") {
+    // Batches of encoded samples go to the workers, which decode, augment
+    // and collate them: the consumer's thread only reads the tar.
+    auto pipeline =
+        nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key() |
+        nodes::batch(static_cast<size_t>(args.batch_size)) |
+        nodes::map(
+            [](std::vector<conveyor::ShardSample>&& encoded) {
+              std::vector<Sample> samples;
+              samples.reserve(encoded.size());
+              for (conveyor::ShardSample& s : encoded) {
+                try {
+                  samples.push_back(augment(decode(std::move(s))));
+                } catch (const conveyor::DataError&) {
+                  // skipped, as OnError::skip does per sample
+                }
+              }
+              return conveyor::DefaultCollate{}(std::move(samples));
+            },
+            {.workers = args.workers});
+    return drive_w5_pipeline(args, pipeline);
+  }
   auto pipeline = nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key() |
                   nodes::map([](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
                              {.workers = args.workers, .on_error = conveyor::OnError::skip}) |
                   nodes::batch(static_cast<size_t>(args.batch_size)) | nodes::collate();
+  return drive_w5_pipeline(args, pipeline);
+}
+
+template <class P>
+int drive_w5_pipeline(perf::Args args, P& pipeline) {
   using Pass = decltype(pipeline.pass());
   std::optional<Pass> pass;
   perf::Result result = perf::drive(
@@ -161,7 +201,77 @@ int run_w5_nodes(perf::Args args) {
       },
       [] {});
   pass.reset();
-  result.peer = "conveyor-nodes";
+  result.peer = args.pipeline == "nodes-batched" ? "conveyor-nodes-batched" : "conveyor-nodes";
+  print_result(args, result);
+  return 0;
+}
+#endif
+
+#if CONVEYOR_PERF_HAVE_FORMATS
+// W5's limit (peer "decode-limit"): what the CPU allows for W5's own work
+// with no loader and no I/O. The shards are read into memory first; then
+// max(1, W) threads each decode, augment and collate batches of
+// consecutive samples, each with its own generator (as a worker has), until
+// the time is up. The per-sample CPU of this run is the floor every peer
+// pays for the same decode code.
+int run_w5_limit(perf::Args args) {
+  namespace nodes = conveyor::nodes;
+  std::vector<conveyor::ShardSample> samples;
+  {
+    auto read = nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key();
+    auto pass = read.pass();
+    while (auto sample = pass.next()) samples.push_back(std::move(*sample));
+  }
+  if (samples.empty()) {
+    std::fprintf(stderr, "conveyor_driver: no samples in --shards\n");
+    return 2;
+  }
+  const size_t threads = static_cast<size_t>(std::max(1, args.workers));
+  const size_t batch = static_cast<size_t>(args.batch_size);
+  std::atomic<int> phase{0};  // 0 warm-up, 1 timed, 2 stop
+  std::vector<size_t> timed_samples(threads, 0);
+  std::vector<std::thread> pool;
+  for (size_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      conveyor::Generator generator(t + 1);
+      conveyor::detail::WorkerScope scope(nullptr, &generator);
+      size_t next = t * batch;  // threads start apart, as workers take different batches
+      size_t done = 0;
+      int seen = 0;
+      while (true) {
+        const int now = phase.load(std::memory_order_relaxed);  // a flag; no data rides on it
+        if (now == 2) break;
+        if (now != seen) {
+          seen = now;
+          done = 0;
+        }
+        std::vector<Sample> items;
+        items.reserve(batch);
+        for (size_t i = 0; i < batch; ++i, ++next) {
+          items.push_back(augment(conveyor::decode_class_sample(samples[next % samples.size()],
+                                                                {.channels = 1, .num_classes = 10})));
+        }
+        auto collated = conveyor::DefaultCollate{}(std::move(items));
+        done += perf::batch_length(collated);
+      }
+      timed_samples[t] = done;  // read after join
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(args.warmup));
+  const double cpu_start = perf::cpu_seconds_self();
+  const auto start = perf::Clock::now();
+  phase.store(1, std::memory_order_relaxed);
+  std::this_thread::sleep_for(std::chrono::duration<double>(args.seconds));
+  phase.store(2, std::memory_order_relaxed);
+  const double seconds = perf::seconds_since(start);
+  for (std::thread& thread : pool) thread.join();
+  perf::Result result;
+  result.peer = "decode-limit";
+  result.seconds = seconds;  // a thread's last batch may end a little later: counted, as in drive()
+  result.cpu_seconds = perf::cpu_seconds_self() - cpu_start;
+  for (size_t n : timed_samples) result.samples += n;
+  result.batches = (result.samples + batch - 1) / batch;
+  args.samples = samples.size();
   print_result(args, result);
   return 0;
 }
@@ -242,7 +352,10 @@ int main(int argc, char** argv) {
       return perf::run_conveyor(args, dataset, "conveyor");
     }
 #if CONVEYOR_PERF_HAVE_FORMATS
-    if (args.workload == "W5") return args.pipeline == "nodes" ? run_w5_nodes(args) : run_w5(args);
+    if (args.workload == "W5") {
+      if (args.pipeline == "limit") return run_w5_limit(args);
+      return args.pipeline.starts_with("nodes") ? run_w5_nodes(args) : run_w5(args);
+    }
 #endif
     std::fprintf(stderr, "conveyor_driver: %s is not built in (conveyor::formats missing)\n",
                  args.workload.c_str());

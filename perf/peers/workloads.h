@@ -198,8 +198,11 @@ struct Args {
   int64_t w2_iterations = 0;  // W2: spin() iterations per sample (run_all calibrates)
   std::vector<std::string> shards;  // W5
   int prefetch_factor = 2;
-  std::string pipeline = "loader";  // W5 on conveyor: "loader" (DataLoader) or "nodes" (a node graph);
-                                    // W3: "async" (async_map, --in-flight requests, one timer thread)
+  // W5 on conveyor: "loader" (DataLoader), "nodes" (a node graph mapping
+  // samples), "nodes-batched" (a node graph mapping batches), "limit" (the
+  // decode alone on W threads); W3: "async" (async_map, --in-flight
+  // requests, one timer thread).
+  std::string pipeline = "loader";
   int in_flight = 256;              // W3 with --pipeline async: requests outstanding
 };
 
@@ -208,7 +211,7 @@ struct Args {
                "%s: %s\n"
                "usage: %s --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]\n"
                "       [--in-order 0|1] [--seconds S] [--warmup S] [--samples N] [--batch-size B]\n"
-               "       [--w2-iterations K] [--shards a.tar,b.tar,...] [--pipeline loader|nodes|async]\n"
+               "       [--w2-iterations K] [--shards a.tar,b.tar,...] [--pipeline loader|nodes|nodes-batched|limit|async]\n"
                "       [--in-flight N]\n",
                program, problem.c_str(), program);
   std::exit(2);
@@ -263,7 +266,10 @@ inline Args parse_args(int argc, char** argv) {
     } else if (flag == "--prefetch-factor") {
       args.prefetch_factor = std::atoi(value.c_str());
     } else if (flag == "--pipeline") {
-      if (value != "loader" && value != "nodes" && value != "async") usage(argv[0], "bad --pipeline " + value);
+      if (value != "loader" && value != "nodes" && value != "nodes-batched" && value != "limit" &&
+          value != "async") {
+        usage(argv[0], "bad --pipeline " + value);
+      }
       args.pipeline = value;
     } else if (flag == "--in-flight") {
       args.in_flight = std::atoi(value.c_str());
@@ -280,7 +286,8 @@ inline Args parse_args(int argc, char** argv) {
   if (args.samples == 0 && w != "W5") args.samples = default_samples(w);
   if (w == "W2" && args.w2_iterations <= 0) usage(argv[0], "W2 needs --w2-iterations (run_all calibrates it)");
   if (w == "W5" && args.shards.empty()) usage(argv[0], "W5 needs --shards");
-  if (args.pipeline == "nodes" && w != "W5") usage(argv[0], "--pipeline nodes is W5's only");
+  if (args.pipeline.starts_with("nodes") && w != "W5") usage(argv[0], "--pipeline " + args.pipeline + " is W5's only");
+  if (args.pipeline == "limit" && w != "W5") usage(argv[0], "--pipeline limit is W5's only");
   if (args.pipeline == "async" && w != "W3") usage(argv[0], "--pipeline async is W3's only");
   if (args.in_flight < 1) usage(argv[0], "--in-flight must be >= 1");
   return args;

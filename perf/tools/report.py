@@ -21,7 +21,7 @@ import w4_model  # beside this file
 MIB = 1024 * 1024
 W3_LATENCY_US = 1000.0  # W3's nominal latency per sample
 ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
-PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "conveyor-http", "libtorch", "python"]
+PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-http", "libtorch", "python"]
 CONVEYORS = ("conveyor", "conveyor-torch")
 # What each conveyor peer runs when the suite names no mode: the library's
 # defaults (work stealing, in order). W4 runs native conveyor in all four
@@ -200,6 +200,8 @@ class Report:
         if workload == "W4":
             cost = self.calibration.get("c++", {}).get("w4_mean_cost_us")
             return threads * 1e6 / cost if cost else None
+        if workload == "W5":
+            return self.rate("decode-limit", "W5", workers)
         return None
 
     def limit_text(self, workload):
@@ -221,13 +223,17 @@ class Report:
         if workload == "W4":
             return (f"W / measured mean cost per sample over indices 0..999 = "
                     f"{c.get('w4_mean_cost_us', 0):.1f} us (nominal 249.5 us).")
+        if workload == "W5":
+            return ("W threads (1 for W=0) decode, augment and collate the shards' samples, read into memory "
+                    "beforehand, with no loader and no I/O (conveyor_driver --pipeline limit). A peer with "
+                    "serial nodes on the consumer's thread besides its W workers can pass it.")
         return ""
 
     # ---- tables ------------------------------------------------------------------
 
     def table(self, workload):
         lines = []
-        has_limit = workload in ("W0", "W1", "W2", "W3", "W4")
+        has_limit = workload in ("W0", "W1", "W2", "W3", "W4", "W5")
         header = ["peer", "W", "mode", "samples/s (median)", "min-max", "next() p50", "next() p99",
                   "peak RSS", "CPU/s", "vs LibTorch"]
         if has_limit:
@@ -265,14 +271,16 @@ class Report:
                     limit = self.limit(workload, workers, "python" if peer == "python" else "c++")
                     cells += [fmt_rate(limit), fmt_ratio(rate / limit) if limit and rate else "-"]
                 lines.append("| " + " | ".join(cells) + " |")
-            if workload == "W1":
-                memcpy = self.get("memcpy", "W1", workers)
-                if memcpy:
-                    low, high = memcpy.rate_range()
-                    cells = ["memcpy limit", str(workers), f"{max(1, workers)} threads", fmt_rate(memcpy.rate()),
-                             f"{fmt_rate(low)}-{fmt_rate(high)}", "", "",
-                             f"{memcpy.peak_rss_mib():.0f} MiB" if memcpy.peak_rss_mib() else "-", "", "", "", ""]
-                    lines.append("| " + " | ".join(cells) + " |")
+            limit_peer = {"W1": ("memcpy", "memcpy limit"), "W5": ("decode-limit", "decode limit")}.get(workload)
+            reference = self.get(limit_peer[0], workload, workers) if limit_peer else None
+            if reference and reference.results:
+                low, high = reference.rate_range()
+                cpu = reference.cpu_per_timed_second()
+                cells = [limit_peer[1], str(workers), f"{max(1, workers)} threads", fmt_rate(reference.rate()),
+                         f"{fmt_rate(low)}-{fmt_rate(high)}", "", "",
+                         f"{reference.peak_rss_mib():.0f} MiB" if reference.peak_rss_mib() else "-",
+                         "-" if cpu is None else f"{cpu:.2f}", "", "", ""]
+                lines.append("| " + " | ".join(cells) + " |")
         return lines
 
     def default_mode(self, workload, workers, peer="conveyor"):
@@ -359,6 +367,9 @@ class Report:
         self.ratio_target("W5 as a node graph (untar, group_by_key, map on W workers, batch, collate) "
                           ">= 1.2x LibTorch", "W5", self.workers_of("W5"),
                           peer("conveyor-nodes", "W5"), peer("libtorch", "W5"), 1.2)
+        self.ratio_target("W5 as a node graph batching before the workers (untar, group_by_key, batch, "
+                          "map(decode, augment, collate) on W workers) >= 1.2x LibTorch", "W5",
+                          self.workers_of("W5"), peer("conveyor-nodes-batched", "W5"), peer("libtorch", "W5"), 1.2)
         self.ratio_target("W5 from HTTP (the same shards streamed from a local nginx, http_opener) "
                           ">= 0.9x from local disk", "W5", self.workers_of("W5"),
                           peer("conveyor-http", "W5"), conveyor("W5"), 0.9)

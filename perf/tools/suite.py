@@ -136,8 +136,8 @@ class Suite:
         self.seconds = env_float("PERF_SECONDS", 2.0)
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
-        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-async",
-                                             "conveyor-http", "libtorch", "python"])
+        self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-nodes-batched",
+                                             "conveyor-async", "conveyor-http", "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
@@ -162,8 +162,8 @@ class Suite:
             common += ["--w2-iterations", str(iterations)]
         if workload == "W5":
             common += ["--shards", ",".join(self.shards)]
-        if peer == "conveyor-nodes":
-            return [self.binary("conveyor_driver")] + common + ["--pipeline", "nodes"]
+        if peer in ("conveyor-nodes", "conveyor-nodes-batched"):
+            return [self.binary("conveyor_driver")] + common + ["--pipeline", peer.removeprefix("conveyor-")]
         if peer == "conveyor-http":  # the loader over the same shards' URLs (started in run())
             common[common.index("--shards") + 1] = ",".join(self.http_server.urls(self.shards))
             return [self.binary("conveyor_driver")] + common
@@ -183,11 +183,11 @@ class Suite:
         return [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py")] + common
 
     def available(self, peer, workload):
-        if peer in ("conveyor", "conveyor-nodes", "conveyor-async") and not self.binary("conveyor_driver"):
+        if peer in ("conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-async") and not self.binary("conveyor_driver"):
             return "conveyor_driver was not built"
         if peer == "conveyor-async" and workload != "W3":
             return "the async peer runs W3 only (W3-async)"
-        if peer == "conveyor-nodes" and workload != "W5":
+        if peer in ("conveyor-nodes", "conveyor-nodes-batched") and workload != "W5":
             return "the node-graph peer runs W5 only"
         if peer == "conveyor-http":
             if workload != "W5":
@@ -278,7 +278,7 @@ class Suite:
         if done:
             return sum(done) / len(done)
         guess = {"conveyor": 0.6, "conveyor-torch": 1.4, "libtorch": 1.4, "python": 2.5,
-                 "memcpy": 0.7}.get(kind.split(":")[0], 1.0)
+                 "memcpy": 0.7, "decode-limit": 1.0}.get(kind.split(":")[0], 1.0)
         extra = 2.0 if kind.endswith(":W5") and kind.startswith("python") else 0.0
         return self.warmup + self.seconds + guess + extra
 
@@ -317,6 +317,12 @@ class Suite:
                                "--batch-size", str(BATCH["W1"])]
                     jobs.append(("memcpy", f"W1 memcpy limit threads={max(1, workers)}",
                                  {"peer": "memcpy", "workload": "W1", "workers": workers}, command))
+                if workload == "W5" and self.shards and self.binary("conveyor_driver"):
+                    command = [self.binary("conveyor_driver"), "--workload", "W5", "--workers", str(workers),
+                               "--seconds", str(self.seconds), "--warmup", str(self.warmup),
+                               "--shards", ",".join(self.shards), "--pipeline", "limit"]
+                    jobs.append(("decode-limit", f"W5 decode limit threads={max(1, workers)}",
+                                 {"peer": "decode-limit", "workload": "W5", "workers": workers}, command))
                 for peer in self.peers:
                     if peer == "conveyor-async":
                         continue  # by requests in flight, below

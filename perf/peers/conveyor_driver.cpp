@@ -22,6 +22,10 @@
 // With --pipeline limit ("decode-limit") W threads run the decode, augment
 // and collate on samples already in memory, with no loader: the CPU's limit.
 //
+// W6 (W6-http, peer "conveyor"): the Fashion-MNIST test JPEGs as
+// single objects over HTTP, --in-flight GETs outstanding on the consumer's
+// thread, the decode on W workers (run_w6).
+//
 // W3 with --pipeline async (peer "conveyor-async", W3-async): the same 1 ms
 // per sample through the async interface instead of a sleeping worker each:
 //   from_range | async_map(start a 1 ms timer, max_in_flight = --in-flight)
@@ -56,6 +60,9 @@
 #include "conveyor_run.h"
 #include "deadline_timer.h"
 #include "workloads.h"
+#if CONVEYOR_PERF_HAVE_FORMATS
+#include "w6_work.h"
+#endif
 
 namespace {
 
@@ -277,6 +284,43 @@ int run_w5_limit(perf::Args args) {
 }
 #endif
 
+#if CONVEYOR_PERF_HAVE_FORMATS && CONVEYOR_PERF_HAVE_IO
+// W6-http (peer "conveyor": conveyor runs W6 this way only): one GET per sample on the consumer's
+// thread, --in-flight of them outstanding (libcurl's multi interface), the
+// decode on W workers:
+//   from_vector(URLs) | http_get(max_in_flight) | map(decode, W workers) | batch | collate
+int run_w6(perf::Args args) {
+  namespace nodes = conveyor::nodes;
+  const std::vector<std::string> urls = conveyor::expand_shard_pattern(args.objects);
+  auto pipeline =
+      nodes::from_vector(urls) | nodes::http_get({.max_in_flight = args.in_flight}) |
+      nodes::map([](nodes::HttpObject&& object) { return perf::w6_image(object.bytes, object.url); },
+                 {.workers = args.workers}) |
+      nodes::batch(static_cast<size_t>(args.batch_size)) | nodes::collate();
+  args.samples = urls.size();
+  using Pass = decltype(pipeline.pass());
+  std::optional<Pass> pass;
+  perf::Result result = perf::drive(
+      args,
+      [&] {
+        pass.reset();
+        pass.emplace(pipeline.pass());
+      },
+      [&](size_t& samples) {
+        auto batch = pass->next();
+        if (!batch) return false;
+        samples = perf::batch_length(*batch);
+        return true;
+      },
+      [] {});
+  pass.reset();
+  result.peer = "conveyor";
+  result.extra = ",\"in_flight\":" + std::to_string(args.in_flight);
+  print_result(args, result);
+  return 0;
+}
+#endif
+
 // The process's thread count now (/proc/self/status "Threads:").
 int thread_count() {
   std::ifstream status("/proc/self/status");
@@ -356,8 +400,11 @@ int main(int argc, char** argv) {
       if (args.pipeline == "limit") return run_w5_limit(args);
       return args.pipeline.starts_with("nodes") ? run_w5_nodes(args) : run_w5(args);
     }
+#if CONVEYOR_PERF_HAVE_IO
+    if (args.workload == "W6") return run_w6(args);
 #endif
-    std::fprintf(stderr, "conveyor_driver: %s is not built in (conveyor::formats missing)\n",
+#endif
+    std::fprintf(stderr, "conveyor_driver: %s is not built in (W5 needs conveyor::formats, W6 conveyor::io too)\n",
                  args.workload.c_str());
     return 3;
   } catch (const std::exception& e) {

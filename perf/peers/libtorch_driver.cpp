@@ -18,12 +18,21 @@
 #include <conveyor/detail/worker_scope.h>
 #include <conveyor/generator.h>
 #include <conveyor/image.h>
+#include <conveyor/tar_shards.h>
 #include <conveyor/transforms.h>
+
+#include "w6_work.h"
+#endif
+#if CONVEYOR_PERF_HAVE_CURL
+#include <curl/curl.h>
 #endif
 
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
 #include <thread>
 
 #include "torch_samples.h"
@@ -104,6 +113,46 @@ struct ShardImages : datasets::Dataset<ShardImages, Example<>> {
 };
 #endif
 
+#if CONVEYOR_PERF_HAVE_FORMATS && CONVEYOR_PERF_HAVE_CURL
+// W6-http: a thread per request, as LibTorch's loader allows: each worker
+// thread GETs its sample with a blocking libcurl transfer on a connection of
+// its own (kept alive across samples), then runs the same decode as
+// conveyor's peer (w6_work.h).
+struct HttpImages : datasets::Dataset<HttpImages, TensorExample> {
+  explicit HttpImages(std::shared_ptr<const std::vector<std::string>> urls) : urls(std::move(urls)) {}
+  TensorExample get(size_t i) override {
+    struct Handle {
+      CURL* curl = curl_easy_init();
+      ~Handle() { curl_easy_cleanup(curl); }
+    };
+    thread_local Handle handle;
+    const std::string& url = (*urls)[i];
+    std::vector<uint8_t> body;
+    curl_easy_setopt(handle.curl, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(handle.curl, CURLOPT_WRITEDATA, &body);
+    curl_easy_setopt(handle.curl, CURLOPT_WRITEFUNCTION, +[](char* data, size_t, size_t n, void* out) {
+      auto* bytes = static_cast<std::vector<uint8_t>*>(out);
+      bytes->insert(bytes->end(), data, data + n);
+      return n;
+    });
+    const CURLcode code = curl_easy_perform(handle.curl);
+    long status = 0;
+    curl_easy_getinfo(handle.curl, CURLINFO_RESPONSE_CODE, &status);
+    if (code != CURLE_OK || status != 200) {
+      throw std::runtime_error(url + ": " + (code != CURLE_OK ? curl_easy_strerror(code)
+                                                              : "HTTP " + std::to_string(status)));
+    }
+    conveyor::Array<float> out = perf::w6_image(body, url);
+    std::vector<int64_t> shape(out.shape().begin(), out.shape().end());
+    std::shared_ptr<void> owner = out.owner();
+    return TensorExample(torch::from_blob(
+        out.data(), shape, [owner](void*) mutable { owner.reset(); }, torch::kFloat));
+  }
+  torch::optional<size_t> size() const override { return urls->size(); }
+  std::shared_ptr<const std::vector<std::string>> urls;
+};
+#endif
+
 template <class Dataset>
 int run(perf::Args args, Dataset dataset, const std::string& note = "") {
   using Stack = torch::data::transforms::Stack<typename Dataset::ExampleType>;
@@ -162,7 +211,15 @@ int main(int argc, char** argv) {
       return run(args, ShardImages(index));
     }
 #endif
-    std::fprintf(stderr, "libtorch_driver: %s is not built in (conveyor::formats missing)\n",
+#if CONVEYOR_PERF_HAVE_FORMATS && CONVEYOR_PERF_HAVE_CURL
+    if (args.workload == "W6") {
+      auto urls = std::make_shared<const std::vector<std::string>>(conveyor::expand_shard_pattern(args.objects));
+      args.samples = urls->size();
+      curl_global_init(CURL_GLOBAL_DEFAULT);  // before any thread makes a handle
+      return run(args, HttpImages(urls));
+    }
+#endif
+    std::fprintf(stderr, "libtorch_driver: %s is not built in (W5 needs conveyor::formats, W6 libcurl too)\n",
                  args.workload.c_str());
     return 3;
   } catch (const std::exception& e) {

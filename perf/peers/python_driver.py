@@ -2,8 +2,9 @@
 """PyTorch's torch.utils.data.DataLoader as a peer in conveyor's performance
 suite (perf/run_all). Run with Debian's /usr/bin/python3 (python3-torch 1.13).
 
-  python_driver.py --workload W0..W5 --workers N [--seconds S] [--warmup S]
+  python_driver.py --workload W0..W6 --workers N [--seconds S] [--warmup S]
                    [--samples N] [--w2-iterations K] [--shards a.tar,b.tar]
+                   [--objects http://host:port/dir/{00000..09999}.jpg]
   python_driver.py --calibrate [--target-us 50]
 
 The same workloads, protocol and JSON line as the C++ drivers
@@ -22,7 +23,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64}
+BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64, "W6": 64}
 MASK = (1 << 64) - 1
 
 # ---- the work -------------------------------------------------------------
@@ -173,6 +174,52 @@ class ShardImages(Dataset):
         return torch.from_numpy(np.ascontiguousarray(out[None])), label
 
 
+def expand_pattern(pattern):
+    """One {first..last} range, zero-padded to first's width, as
+    conveyor::expand_shard_pattern reads it."""
+    import re
+    found = re.search(r"\{(\d+)\.\.(\d+)\}", pattern)
+    if not found:
+        return [pattern]
+    first, last = found.group(1), found.group(2)
+    return [pattern[:found.start()] + str(i).zfill(len(first)) + pattern[found.end():]
+            for i in range(int(first), int(last) + 1)]
+
+
+class HttpImages(Dataset):
+    """W6-http: one GET per sample on the worker process's own kept-alive
+    connection (http.client), PIL decode (mode L), scaling and Normalize(0.2860,
+    0.3530) in numpy: the C++ peers' work (w6_work.h)."""
+
+    def __init__(self, urls):
+        from urllib.parse import urlsplit
+        self.urls = urls
+        first = urlsplit(urls[0])
+        self.host, self.port = first.hostname, first.port or 80
+        self.paths = [urlsplit(u).path for u in urls]
+        self.connection = None
+        self.connection_pid = None
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        import http.client
+        import numpy as np
+        from PIL import Image
+        if self.connection_pid != os.getpid():  # one connection per worker process
+            self.connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
+            self.connection_pid = os.getpid()
+        self.connection.request("GET", self.paths[i])
+        response = self.connection.getresponse()
+        body = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{self.urls[i]}: HTTP {response.status}")
+        image = np.asarray(Image.open(io.BytesIO(body)).convert("L"), dtype=np.uint8)
+        out = (image.astype(np.float32) * np.float32(1 / 255) - np.float32(0.2860)) / np.float32(0.3530)
+        return torch.from_numpy(np.ascontiguousarray(out[None]))
+
+
 # ---- calibration ----------------------------------------------------------
 
 def mean_cost_us(iterations, samples, seed):
@@ -303,6 +350,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=0)
     parser.add_argument("--w2-iterations", type=int, default=0)
     parser.add_argument("--shards", default="")
+    parser.add_argument("--objects", default="")
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--target-us", type=float, default=50.0)
     args = parser.parse_args()
@@ -327,6 +375,11 @@ def main():
         dataset = Sleep(samples)
     elif w == "W4":
         dataset = Stragglers(samples)
+    elif w == "W6":
+        if not args.objects:
+            parser.error("W6 needs --objects (a URL pattern)")
+        dataset = HttpImages(expand_pattern(args.objects))
+        samples = len(dataset)
     else:
         shards = [s for s in args.shards.split(",") if s]
         if not shards:

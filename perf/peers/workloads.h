@@ -45,7 +45,7 @@ inline int64_t default_batch_size(const std::string& workload) {
   if (workload == "W1") return 256;
   if (workload == "W2") return 64;
   if (workload == "W3" || workload == "W4") return 32;
-  if (workload == "W5") return 64;
+  if (workload == "W5" || workload == "W6") return 64;
   throw std::invalid_argument("unknown workload " + workload);
 }
 
@@ -197,6 +197,7 @@ struct Args {
   int64_t batch_size = 0;  // 0: the workload's default
   int64_t w2_iterations = 0;  // W2: spin() iterations per sample (run_all calibrates)
   std::vector<std::string> shards;  // W5
+  std::string objects;              // W6: a URL pattern, one JPEG per URL ({00000..09999})
   int prefetch_factor = 2;
   // W5 on conveyor: "loader" (DataLoader), "nodes" (a node graph mapping
   // samples), "nodes-batched" (a node graph mapping batches), "limit" (the
@@ -209,10 +210,10 @@ struct Args {
 [[noreturn]] inline void usage(const char* program, const std::string& problem) {
   std::fprintf(stderr,
                "%s: %s\n"
-               "usage: %s --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]\n"
+               "usage: %s --workload W0..W6 --workers N [--scheduling round_robin|work_stealing]\n"
                "       [--in-order 0|1] [--seconds S] [--warmup S] [--samples N] [--batch-size B]\n"
-               "       [--w2-iterations K] [--shards a.tar,b.tar,...] [--pipeline loader|nodes|nodes-batched|limit|async]\n"
-               "       [--in-flight N]\n",
+               "       [--w2-iterations K] [--shards a.tar,b.tar,...] [--objects URL-pattern]\n"
+               "       [--pipeline loader|nodes|nodes-batched|limit|async] [--in-flight N]\n",
                program, problem.c_str(), program);
   std::exit(2);
 }
@@ -263,6 +264,8 @@ inline Args parse_args(int argc, char** argv) {
       args.w2_iterations = std::atoll(value.c_str());
     } else if (flag == "--shards") {
       args.shards = split_commas(value);
+    } else if (flag == "--objects") {
+      args.objects = value;
     } else if (flag == "--prefetch-factor") {
       args.prefetch_factor = std::atoi(value.c_str());
     } else if (flag == "--pipeline") {
@@ -278,14 +281,15 @@ inline Args parse_args(int argc, char** argv) {
     }
   }
   const std::string& w = args.workload;
-  if (w != "W0" && w != "W1" && w != "W2" && w != "W3" && w != "W4" && w != "W5") {
+  if (w != "W0" && w != "W1" && w != "W2" && w != "W3" && w != "W4" && w != "W5" && w != "W6") {
     usage(argv[0], "unknown workload " + w);
   }
   if (args.workers < 0) usage(argv[0], "--workers must be >= 0");
   if (args.batch_size <= 0) args.batch_size = default_batch_size(w);
-  if (args.samples == 0 && w != "W5") args.samples = default_samples(w);
+  if (args.samples == 0 && w != "W5" && w != "W6") args.samples = default_samples(w);
   if (w == "W2" && args.w2_iterations <= 0) usage(argv[0], "W2 needs --w2-iterations (run_all calibrates it)");
   if (w == "W5" && args.shards.empty()) usage(argv[0], "W5 needs --shards");
+  if (w == "W6" && args.objects.empty()) usage(argv[0], "W6 needs --objects (a URL pattern)");
   if (args.pipeline.starts_with("nodes") && w != "W5") usage(argv[0], "--pipeline " + args.pipeline + " is W5's only");
   if (args.pipeline == "limit" && w != "W5") usage(argv[0], "--pipeline limit is W5's only");
   if (args.pipeline == "async" && w != "W3") usage(argv[0], "--pipeline async is W3's only");

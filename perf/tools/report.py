@@ -20,7 +20,7 @@ import w4_model  # beside this file
 
 MIB = 1024 * 1024
 W3_LATENCY_US = 1000.0  # W3's nominal latency per sample
-ORDER = ["W0", "W1", "W2", "W3", "W4", "W5"]
+ORDER = ["W0", "W1", "W2", "W3", "W4", "W5", "W6"]
 PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-http", "libtorch", "python"]
 CONVEYORS = ("conveyor", "conveyor-torch")
 # What each conveyor peer runs when the suite names no mode: the library's
@@ -420,6 +420,23 @@ class Report:
             verdicts.append(met)
         self.target("native samples: W4 >= 0.95x the limit with p99 next() <= half of LibTorch's (best mode)",
                     "; ".join(parts) or "-", all(verdicts) if verdicts else None)
+        parts = []
+        for workers in self.workers_of("W6"):
+            config = self.get("conveyor", "W6", workers)
+            if not config or not config.rate():
+                continue
+            cpu = config.cpu_per_timed_second()
+            part = f"conveyor W={workers}: {config.rate():,.0f}/s"
+            if cpu:
+                part += f" ({cpu / config.rate() * 1e6:.1f} us CPU per sample)"
+            for other in ("libtorch", "python"):
+                for other_workers in self.workers_of("W6"):
+                    rate = self.rate(other, "W6", other_workers)
+                    if rate:
+                        part += f", {config.rate() / rate:.2f}x {other} W={other_workers}"
+            parts.append(part)
+        self.target("W6-http (reported, no target): conveyor's async GETs against a GET per worker",
+                    "; ".join(parts) or "-", None if not parts else True)
         self.ratio_target("W5 >= 3x Python", "W5", self.workers_of("W5"), conveyor("W5"), peer("python", "W5"), 3)
         parts, verdicts = [], []
         for workers in self.workers_of("W1"):
@@ -480,7 +497,10 @@ class Report:
                  "W2": "W2 CPU-bound: ~50 us of arithmetic per sample, batch 64",
                  "W3": "W3 latency-bound: 1 ms sleep per sample, batch 32",
                  "W4": "W4 stragglers: 50 us, every 100th sample 20 ms, batch 32",
-                 "W5": "W5 real: Fashion-MNIST JPEG tar shards, decode + crop + flip + normalize, batch 64"}
+                 "W5": "W5 real: Fashion-MNIST JPEG tar shards, decode + crop + flip + normalize, batch 64",
+                 "W6": "W6-http: the 10,000 Fashion-MNIST test JPEGs as single objects, one GET each from a "
+                       "local nginx, decode + normalize, batch 64 (conveyor: http_get with 64 GETs in flight on "
+                       "the consumer's thread, the decode on W workers; LibTorch and Python: a GET per worker)"}
         for workload in ORDER:
             if not self.workers_of(workload):
                 continue

@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -39,9 +40,9 @@ def env_list(name, default):
 
 # ---- the suite's parameters (perf/README.md) -------------------------------
 
-BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64}
+BATCH = {"W0": 8, "W1": 256, "W2": 64, "W3": 32, "W4": 32, "W5": 64, "W6": 64}
 WORKERS = {"W0": [0, 1, 2, 4], "W1": [0, 1, 2, 4], "W2": [1, 2], "W3": [1, 4, 16, 64],
-           "W4": [4, 16], "W5": [1, 2]}
+           "W4": [4, 16], "W5": [1, 2], "W6": [2, 64]}
 W4_MODES = [("round_robin", 1), ("round_robin", 0), ("work_stealing", 1), ("work_stealing", 0)]
 # conveyor with torch samples on W4: its defaults, and PyTorch's schedule.
 W4_TORCH_MODES = [(None, None), ("round_robin", 1)]
@@ -51,7 +52,8 @@ TORCH_SAMPLE_WORKLOADS = ("W0", "W1", "W2", "W3", "W4")
 NAMES = {"W0": "tiny (8-byte samples)", "W1": "overhead-bound (in-memory 3x32x32 float32)",
          "W2": "CPU-bound (~50 us of arithmetic per sample)", "W3": "latency-bound (1 ms sleep per sample)",
          "W4": "stragglers (50 us, every 100th sample 20 ms)",
-         "W5": "real (Fashion-MNIST JPEG tar shards: decode + augment)"}
+         "W5": "real (Fashion-MNIST JPEG tar shards: decode + augment)",
+         "W6": "remote objects (10,000 JPEGs, one HTTP GET each from a local nginx: decode)"}
 PREFETCH_FACTOR = 2
 W1_SAMPLES = 10000
 W1_SAMPLE_BYTES = 3 * 32 * 32 * 4 + 8
@@ -60,13 +62,17 @@ W3_LATENCY_US = 1000.0
 # W3-async (peer conveyor-async): requests in flight through async_map, on the
 # consumer's thread and one timer thread.
 ASYNC_IN_FLIGHT = [256, 1024]
+# W6-http: conveyor's GETs outstanding (http_get on the consumer's thread, the
+# decode on W workers), as many as LibTorch's 64 threads have at W=64.
+W6_IN_FLIGHT = 64
 W4_MEAN_US = 0.99 * 50.0 + 0.01 * 20000.0  # 249.5 us
 MIB = 1024 * 1024
 
 
 class NginxServer:
     """nginx on a free 127.0.0.1 port serving the W5 shards' directory (W5 over
-    HTTP), configured in a temporary directory; stop() ends it."""
+    HTTP, and W6's objects in its w6-objects/), configured in a temporary
+    directory; stop() ends it."""
 
     def __init__(self, shards):
         self.root = os.path.dirname(os.path.abspath(shards[0])) if shards else ""
@@ -83,6 +89,9 @@ class NginxServer:
 
     def urls(self, shards):
         return [f"http://127.0.0.1:{self.port}/{os.path.basename(s)}" for s in shards]
+
+    def url(self, relative):
+        return f"http://127.0.0.1:{self.port}/{relative}"
 
     def start(self):
         self.dir = tempfile.mkdtemp(prefix="conveyor-perf-nginx-")
@@ -110,7 +119,7 @@ class NginxServer:
                 break
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                print(f"nginx serving {self.root} on 127.0.0.1:{self.port} (W5 over HTTP)", flush=True)
+                print(f"nginx serving {self.root} on 127.0.0.1:{self.port} (W5 over HTTP, W6)", flush=True)
                 return
             except OSError:
                 time.sleep(0.02)  # the connect poll's pace
@@ -135,10 +144,11 @@ class Suite:
         self.reps = max(1, env_int("PERF_REPS", 3))
         self.seconds = env_float("PERF_SECONDS", 2.0)
         self.warmup = env_float("PERF_WARMUP", 1.0)
-        self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5"])
+        self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5", "W6"])
         self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-nodes-batched",
                                              "conveyor-async", "conveyor-http", "libtorch", "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
+        self.objects_pattern = ""  # W6's URLs, set once nginx serves them
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
         self.timeout = env_float("PERF_RUN_TIMEOUT", 120.0)
         self.time_bin = "/usr/bin/time" if os.access("/usr/bin/time", os.X_OK) else None
@@ -162,6 +172,10 @@ class Suite:
             common += ["--w2-iterations", str(iterations)]
         if workload == "W5":
             common += ["--shards", ",".join(self.shards)]
+        if workload == "W6":
+            common += ["--objects", self.objects_pattern]
+            if peer == "conveyor":
+                common += ["--in-flight", str(W6_IN_FLIGHT)]
         if peer in ("conveyor-nodes", "conveyor-nodes-batched"):
             return [self.binary("conveyor_driver")] + common + ["--pipeline", peer.removeprefix("conveyor-")]
         if peer == "conveyor-http":  # the loader over the same shards' URLs (started in run())
@@ -203,11 +217,18 @@ class Suite:
             return "libtorch_driver was not built (CONVEYOR_WITH_TORCH=OFF or LibTorch missing)"
         if peer == "python" and not self.has_torch_python:
             return f"{self.python} cannot import torch (python3-torch)"
-        if workload == "W5":
+        if workload in ("W5", "W6"):
             if not self.shards:
                 return "no shards (conveyor-make-shards was not built or failed)"
             if peer == "python" and not self.has_pil:
                 return "PIL (python3-pil) and numpy are not importable"
+        if workload == "W6":
+            if peer not in ("conveyor", "libtorch", "python"):
+                return "W6 runs on conveyor (http_get), LibTorch and Python"
+            if not NginxServer.binary():
+                return "nginx is not installed (Debian: nginx-light; scripts/setup installs it)"
+            if not self.objects_pattern:
+                return "the W6 objects could not be written"
         return None
 
     # ---- running one command under /usr/bin/time -v ------------------------
@@ -367,14 +388,42 @@ class Suite:
         if not self.time_bin:
             self.notes.append("/usr/bin/time is missing (Debian package `time`): no peak RSS or CPU totals")
         self.calibrate()
-        self.http_server = NginxServer(self.shards) if "conveyor-http" in self.peers and self.shards else None
+        serve_w5 = "conveyor-http" in self.peers and "W5" in self.workloads
+        serve_w6 = "W6" in self.workloads
+        self.http_server = NginxServer(self.shards) if (serve_w5 or serve_w6) and self.shards else None
         try:
-            if self.http_server and "W5" in self.workloads and NginxServer.binary():
+            if self.http_server and NginxServer.binary():
                 self.http_server.start()
+                if serve_w6:
+                    count = self.write_w6_objects(self.http_server.root)
+                    if count:
+                        self.objects_pattern = self.http_server.url(
+                            f"w6-objects/{{00000..{count - 1:05d}}}.jpg")
             self.run_jobs()
         finally:
             if self.http_server:
                 self.http_server.stop()
+
+    def write_w6_objects(self, root):
+        """W6's objects: every JPEG of the W5 shards as a file of its own,
+        root/w6-objects/00000.jpg ..., written once. Returns their count."""
+        directory = os.path.join(root, "w6-objects")
+        done = os.path.join(directory, "COMPLETE")
+        if not os.path.exists(done):
+            os.makedirs(directory, exist_ok=True)
+            count = 0
+            for shard in self.shards:
+                with tarfile.open(shard) as tar:
+                    for member in tar.getmembers():
+                        if member.isfile() and member.name.endswith(".jpg"):
+                            with open(os.path.join(directory, f"{count:05d}.jpg"), "wb") as out:
+                                out.write(tar.extractfile(member).read())
+                            count += 1
+            with open(done, "w") as f:
+                f.write(str(count))
+            print(f"W6: wrote {count} JPEGs into {directory}", flush=True)
+        with open(done) as f:
+            return int(f.read() or 0)
 
     def run_jobs(self):
         jobs = self.plan()

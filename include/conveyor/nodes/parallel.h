@@ -191,7 +191,9 @@ class ParallelMap final
 
   // Pulls upstream on this thread and submits until the window is full. An
   // upstream error stops the pulling; it is thrown once the items before it
-  // are out (its place).
+  // are out (its place): here, at once, when none is in flight. (Returning
+  // instead left the caller an empty window, which reads as the end of the
+  // pass: the error and every item after it were lost.)
   void fill() {
     while (!upstream_done_ && !upstream_error_ && window().has_room()) {
       std::optional<In> item;
@@ -199,7 +201,7 @@ class ParallelMap final
         item = this->pull();
       } catch (...) {
         upstream_error_ = std::current_exception();
-        return;
+        break;
       }
       if (!item) {
         upstream_done_ = true;

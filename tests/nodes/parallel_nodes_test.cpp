@@ -191,9 +191,17 @@ uint64_t property_seed() {
 // A map handing items out as they finish (in_order = false) is followed
 // only by stages that treat items one by one; `ordered` is then false and
 // the runs are compared as multisets (the serial run is in order anyway).
-Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& ordered) {
-  std::uniform_int_distribution<int> pick(0, 8);
+// Some stages merge in a second random pipeline (mux, weighted_mux, zip),
+// drawn in order and at most two levels deep. A cache sits only where its
+// pass is always read to the end (not in a merged pipeline, nothing after
+// it that stops early): a parallel node after it may read ahead to the end
+// of a pass the consumer left, completing the cache in one run and not the
+// other (conveyor/nodes/repeat.h).
+Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& ordered, int depth = 0,
+                                  bool allow_unordered = true) {
+  std::uniform_int_distribution<int> pick(0, 14);
   ordered = true;
+  bool cached = false;  // a cache upstream: nothing may cut its pass short
   const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
   Pipeline<int64_t> p = nodes::from_range(0, n);
   const int stages = std::uniform_int_distribution<int>(1, 5)(rng);
@@ -202,7 +210,11 @@ Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& orde
     // After items leave out of order, a stage's positions differ from the
     // serial run's: no stage whose output depends on them (shuffle, batch,
     // the item's generator, an error's position).
-    if (!ordered && (kind == 2 || kind == 4 || kind == 6 || kind == 7)) kind = 1;
+    if (!ordered && (kind == 2 || kind == 4 || kind == 6 || kind == 7 || kind >= 10)) kind = 1;
+    if (kind == 8 && !allow_unordered) kind = 5;
+    if (kind >= 11 && kind <= 13 && depth >= 2) kind = 9;
+    if (kind == 14 && depth > 0) kind = 9;
+    if (cached && (kind == 10 || kind == 13)) kind = 5;
     const int64_t k = std::uniform_int_distribution<int64_t>(2, 9)(rng);
     const int drawn_workers = std::uniform_int_distribution<int>(1, 4)(rng);  // drawn either way: same graph
     const int workers = parallel ? drawn_workers : 0;
@@ -246,6 +258,39 @@ Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& orde
         p = std::move(p) | nodes::map(work, {.workers = workers, .in_order = false,
                                              .on_error = conveyor::OnError::skip});
         ordered = false;  // in both runs: they draw the same stages
+        break;
+      case 9:
+        p = std::move(p) | nodes::flat_map([k](int64_t x) { return std::vector<int64_t>(static_cast<size_t>(x % 3), x + k); });
+        break;
+      case 10:
+        p = std::move(p) | nodes::take(static_cast<uint64_t>(k * 11));
+        break;
+      case 11:
+      case 12:
+      case 13: {
+        bool other_ordered = true;
+        Pipeline<int64_t> other =
+            random_pipeline(std::mt19937_64(rng()), parallel, other_ordered, depth + 1, /*allow_unordered=*/false);
+        if (kind == 11) {
+          std::vector<Pipeline<int64_t>> sources;
+          sources.push_back(std::move(p));
+          sources.push_back(std::move(other));
+          p = nodes::mux(std::move(sources));
+        } else if (kind == 12) {
+          std::vector<Pipeline<int64_t>> sources;
+          sources.push_back(std::move(p));
+          sources.push_back(std::move(other));
+          p = nodes::weighted_mux(std::move(sources), {1.0, static_cast<double>(k)});
+        } else {
+          p = nodes::zip(std::move(p), std::move(other)) |
+              nodes::map([](std::pair<int64_t, int64_t>&& pair) { return pair.first * 7 + pair.second; },
+                         {.workers = workers});
+        }
+        break;
+      }
+      case 14:
+        p = std::move(p) | nodes::cache();
+        cached = true;
         break;
       default:
         p = std::move(p) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});

@@ -6,7 +6,11 @@
 //                 for ever (torchdata's Cycler)
 //   cache()       the first complete pass is kept in memory and replayed by
 //                 later passes without touching upstream (a pass left early
-//                 keeps nothing: the next one reads upstream again)
+//                 keeps nothing: the next one reads upstream again). A
+//                 parallel map or prefetch after it reads ahead of the
+//                 consumer, so a pass the consumer leaves early (take, zip)
+//                 may complete the cache with that node and not without it:
+//                 cache where passes are read whole.
 #pragma once
 
 #include <cstdint>

@@ -389,8 +389,17 @@ class Report:
                 continue
             rate = config.rate()
             threads = median(config.values("threads"))
-            parts.append(f"{in_flight} in flight: {rate:,.0f}/s = {rate / bound:.2f}x the bound ({bound:,.0f}/s), "
-                         f"{threads:.0f} threads, {cpu_us:.2f} us CPU per sample"
+            # Beside the target: the bound with the request time the timer
+            # delivered (1 ms + its lateness), as W3's own limit uses the
+            # measured sleep. The verdict stays on the nominal 1 ms.
+            lateness = median(config.values("timer_lateness_us"))
+            delivered = ""
+            if lateness is not None:
+                measured_bound = in_flight * 1e6 / (W3_LATENCY_US + lateness)
+                delivered = (f", {rate / measured_bound:.2f}x N / the delivered request time "
+                             f"({W3_LATENCY_US + lateness:,.0f} us)")
+            parts.append(f"{in_flight} in flight: {rate:,.0f}/s = {rate / bound:.2f}x the bound ({bound:,.0f}/s)"
+                         f"{delivered}, {threads:.0f} threads, {cpu_us:.2f} us CPU per sample"
                          + (f", {rate / torch_rate:.2f}x LibTorch W=64" if torch_rate else ""))
             verdicts.append(rate >= 0.9 * bound and threads <= 2)
         self.target("W3-async: async_map >= 0.9x min(in_flight / 1 ms, CPU) at 256 and 1024 in flight on <= 2 threads",

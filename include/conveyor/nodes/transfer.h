@@ -52,6 +52,10 @@ class PinMemory final : public Stage<T, T> {
       : Stage<T, T>(std::move(upstream)), device_(std::move(device)), max_free_per_class_(max_free_per_class) {
     if (!device_) throw ValueError("pin_memory: the device is null");
   }
+  // Upstream goes first: collate nodes there allocate from pool_ through a
+  // plain pointer (PassContext::batch_memory), possibly on a prefetch's
+  // strand still running; the base class would destroy them after pool_.
+  ~PinMemory() override { this->upstream_.reset(); }
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     if (!pool_) pool_ = conveyor::detail::make_pinned_allocator(device_, max_free_per_class_);  // lazily

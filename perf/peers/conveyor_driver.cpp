@@ -1,7 +1,7 @@
 // conveyor's peer in the performance suite (perf/run_all): one workload
 // through conveyor::DataLoader, timed after a warm-up epoch, one JSON line.
 //
-//   conveyor_driver --workload W0..W5 --workers N [--scheduling round_robin|work_stealing]
+//   conveyor_driver --workload W0..W6 --workers N [--scheduling round_robin|work_stealing]
 //                   [--in-order 0|1] [--seconds S] [--warmup S] [--samples N]
 //                   [--w2-iterations K] [--shards a.tar,b.tar|URLs]
 //                   [--pipeline loader|nodes|nodes-batched|limit|async]

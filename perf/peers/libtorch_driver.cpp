@@ -10,8 +10,8 @@
 // LibTorch's workers(0) loads in the main thread. One translation unit on
 // purpose: LibTorch's headers compile slowly.
 //
-//   libtorch_driver --workload W0..W5 --workers N [--seconds S] [--warmup S]
-//                   [--samples N] [--w2-iterations K] [--shards a.tar,b.tar]
+//   libtorch_driver --workload W0..W6 --workers N [--seconds S] [--warmup S]
+//                   [--samples N] [--w2-iterations K] [--shards a.tar,b.tar] [--objects URL-pattern]
 #include <torch/torch.h>
 
 #if CONVEYOR_PERF_HAVE_FORMATS

@@ -38,7 +38,7 @@ class NullRunner final : public conveyor::detail::TaskRunner {
   explicit NullRunner(size_t window) : results(window) {}
   void init_worker(int) override {}
   void run(conveyor::detail::Job& job, int, const std::exception_ptr&) noexcept override {
-    results[job.slot] = job.batch_index;
+    results[job.slot] = job.index;
   }
   void clear(uint32_t slot) noexcept override { results[slot] = 0; }
   std::vector<uint64_t> results;
@@ -52,14 +52,13 @@ void BM_WindowHandoff(benchmark::State& state) {
   config.num_workers = workers;
   config.window = workers * prefetch;
   config.per_worker_queues = !work_stealing;
-  config.per_batch_generators = work_stealing;
   NullRunner runner(config.window);
   conveyor::detail::Engine engine(config, runner);
-  engine.begin_epoch(0, 0);
+  engine.begin_pass();
   size_t next_worker = 0;
   auto fill = [&] {
     while (engine.has_room()) {
-      engine.submit(work_stealing ? -1 : static_cast<int>(next_worker), {});
+      engine.submit(work_stealing ? -1 : static_cast<int>(next_worker));
       next_worker = (next_worker + 1) % workers;
     }
   };

@@ -1,13 +1,15 @@
-// The threaded engine: a oneTBB task_arena of num_workers threads, moodycamel
-// queues for every hand-off, and a reorder window of `window` slots.
+// The runtime's engine: a oneTBB task_arena of num_workers threads, moodycamel
+// queues for every hand-off, and a reorder window of `window` slots. It runs
+// jobs; what a job computes (a loader's batch, a node's item) and how it is
+// seeded belong to the TaskRunner.
 //
 // Threads and what they own:
 //   consumer  the loader's thread. The only submitter and collector: owns
 //             ConsumerSide (sequence counters, slot bookkeeping, free list).
 //   workers   TBB threads in the arena. Run jobs; publish results into slots.
-//             A logical worker's state (generator, init result) is owned by
-//             whichever task currently drains that worker's queue (Strand);
-//             drains of one strand never overlap (the `pending` count).
+//             A logical worker's init state is owned by whichever task
+//             currently drains that worker's lane; drains of one lane never
+//             overlap (its `drains` count), so a lane is a strand.
 //
 // Window protocol (invariant 3 of DESIGN.md): the consumer submits only while
 // fewer than `window` jobs are in flight, so the slot a job gets is free. A
@@ -48,7 +50,6 @@
 #include <vector>
 
 #include "conveyor/detail/check.h"
-#include "conveyor/detail/worker_scope.h"
 #include "conveyor/errors.h"
 #include "conveyor/warnings.h"
 
@@ -254,14 +255,6 @@ class ThreadReservation {
   size_t workers_;
 };
 
-// splitmix64's finaliser: spreads (base_seed, epoch, batch) into a seed.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 }  // namespace
 
 void finish_in_background(std::function<void()> work) noexcept {
@@ -279,10 +272,6 @@ void finish_in_background(std::function<void()> work) noexcept {
   } catch (...) {
     run(*shared_work);  // no thread to be had: finish here, waiting
   }
-}
-
-uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index) {
-  return mix(mix(mix(static_cast<uint64_t>(base_seed)) ^ epoch) ^ batch_index);
 }
 
 namespace {
@@ -308,22 +297,21 @@ constexpr int kInitPending = 0;
 constexpr int kInitRunning = 1;
 constexpr int kInitDone = 2;
 
-// A logical worker's state. Owned by the task draining its Lane, or (work
-// stealing) by the thread occupying that arena slot.
+// A logical worker's once-only init. Owned by the task draining its Lane, or
+// (shared lane) by the thread occupying that arena slot.
 struct WorkerState {
-  WorkerInfo info;
-  Generator generator;
+  int id = 0;
   bool initialized = false;
   std::exception_ptr init_failure;
-  // work_stealing: kInitPending, kInitRunning, kInitDone for this arena
-  // slot's worker_init_fn. Atomic: successive occupants of one slot may be
+  // Shared lane: kInitPending, kInitRunning, kInitDone for this arena
+  // slot's init. Atomic: successive occupants of one slot may be
   // different threads.
   std::atomic<int> init_state{kInitPending};
 };
 
 // A queue of jobs and the drain tasks that empty it: at most one for a
-// logical worker's lane (its jobs run one at a time, in order), up to
-// num_workers for the shared lane of work_stealing.
+// logical worker's lane (its jobs run one at a time, in order: a strand), up
+// to num_workers for the shared lane.
 //
 // Activation (a Dekker handshake, like the consumer's parking): the consumer
 // enqueues, fences, and starts a drain task if fewer than max_drains run. A
@@ -350,7 +338,7 @@ struct Shared {
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<SlotClock[]> clocks;
   std::vector<std::unique_ptr<Lane>> lanes;  // one per worker, or one shared
-  std::vector<std::unique_ptr<WorkerState>> slot_workers;  // work_stealing, by arena slot
+  std::vector<std::unique_ptr<WorkerState>> slot_workers;  // shared lane, by arena slot
   moodycamel::ConcurrentQueue<uint32_t> completed;         // !in_order: published slots
 
   // Bumped by cancel(); jobs of older generations are skipped. The consumer's
@@ -378,7 +366,7 @@ struct Shared {
     if (awaited == kAnySlot || awaited == static_cast<int64_t>(job.slot)) wake.signal();
   }
 
-  // `slot_owned`: the worker state belongs to an arena slot (work stealing)
+  // `slot_owned`: the worker state belongs to an arena slot (shared lane)
   // rather than to a lane.
   void run_job(Job& job, WorkerState& worker, bool slot_owned) {
     // Acquire: pairs with cancel()'s bump, so a cancelled job sees it.
@@ -388,19 +376,11 @@ struct Shared {
     }
     const bool timed = config.timeout.count() > 0;
     if (timed) {
-      clocks[job.slot].running_worker.store(worker.info.id, std::memory_order_relaxed);
+      clocks[job.slot].running_worker.store(worker.id, std::memory_order_relaxed);
       clocks[job.slot].started_ns.store(now_ns(), std::memory_order_relaxed);
     }
-    {
-      std::optional<WorkerScope> scope;
-      if (config.per_batch_generators) {
-        scope.emplace(&worker.info, work_stealing_seed(job.base_seed, job.epoch, job.batch_index));
-      } else {
-        scope.emplace(&worker.info, &worker.generator);
-      }
-      ensure_initialized(worker, slot_owned);
-      runner->run(job, worker.info.id, worker.init_failure);
-    }
+    ensure_initialized(worker, slot_owned);
+    runner->run(job, worker.id, worker.init_failure);
     if (timed) clocks[job.slot].started_ns.store(0, std::memory_order_relaxed);
     publish(job);  // the job's last touch of the runner is before this
   }
@@ -430,7 +410,7 @@ struct Shared {
 
   void run_init(WorkerState& worker) {
     try {
-      runner->init_worker(worker.info.id);
+      runner->init_worker(worker.id);
     } catch (...) {
       worker.init_failure = std::current_exception();
     }
@@ -498,26 +478,21 @@ struct Engine::Impl {
       // Relaxed: no worker runs yet; submit()'s queue hand-off publishes it.
       shared->slots[i].turn.store(config.first_seq, std::memory_order_relaxed);
     }
-    auto make_worker = [&](size_t id) {
-      auto worker = std::make_unique<WorkerState>();
-      worker->info = config.worker_prototype;
-      worker->info.id = static_cast<int>(id);
-      worker->info.num_workers = static_cast<int>(workers);
-      return worker;
-    };
     if (config.per_worker_queues) {
       for (size_t w = 0; w < workers; ++w) {
         auto lane = std::make_unique<Lane>(1);
-        lane->worker.info = make_worker(w)->info;
+        lane->worker.id = static_cast<int>(w);
         shared->lanes.push_back(std::move(lane));
       }
     } else {
       shared->lanes.push_back(std::make_unique<Lane>(static_cast<uint32_t>(workers)));
-      for (size_t w = 0; w < workers; ++w) shared->slot_workers.push_back(make_worker(w));
+      for (size_t w = 0; w < workers; ++w) {
+        shared->slot_workers.push_back(std::make_unique<WorkerState>());
+        shared->slot_workers.back()->id = static_cast<int>(w);
+      }
     }
     for (auto& lane : shared->lanes) producer_tokens.emplace_back(lane->queue);
     meta.resize(window);
-    slot_indices.resize(window);
     for (size_t i = window; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
     next_seq = config.first_seq;
     arena.initialize();
@@ -537,34 +512,16 @@ struct Engine::Impl {
 
   const EngineConfig& config() const { return shared->config; }
 
-  void begin_epoch(int64_t seed, uint64_t epoch_number) {
-    CONVEYOR_CHECK(in_flight == 0, "begin_epoch with batches in flight");
-    base_seed = seed;
-    epoch = epoch_number;
-    batch_index = 0;
-    ++pass;
-    const bool first = !seeded;
-    seeded = true;
-    if (config().per_worker_queues) {
-      for (size_t w = 0; w < shared->lanes.size(); ++w) {
-        WorkerState& worker = shared->lanes[w]->worker;
-        worker.info.seed = static_cast<uint64_t>(seed) + w;
-        // PyTorch seeds a worker once; persistent workers keep their stream.
-        if (first || !config().persistent) worker.generator = Generator(worker.info.seed);
-      }
-    }
-    for (size_t w = 0; w < shared->slot_workers.size(); ++w) {
-      shared->slot_workers[w]->info.seed = static_cast<uint64_t>(seed) + w;
-    }
-    // Workers read these after taking a job, which the consumer enqueued
-    // after writing them.
+  void begin_pass() {
+    CONVEYOR_CHECK(in_flight == 0, "begin_pass with jobs in flight");
+    job_index = 0;
   }
 
   bool has_room() const { return in_flight < config().window; }
 
   uint32_t next_slot() const { return config().in_order ? issue_slot : free_slots.back(); }
 
-  void submit(int worker, std::span<const size_t> indices) {
+  void submit(int lane_wanted) {
     CONVEYOR_CHECK(has_room(), "submit into a full window");
     uint32_t slot = 0;
     if (config().in_order) {
@@ -576,25 +533,19 @@ struct Engine::Impl {
     }
     Job job;
     job.seq = next_seq++;
-    job.batch_index = batch_index++;
+    job.index = job_index++;
     job.slot = slot;
-    job.worker = worker;
+    job.lane = lane_wanted;
     job.generation = generation;
-    job.base_seed = base_seed;
-    job.epoch = epoch;
-    job.pass = pass;
-    BatchIndices& stored = slot_indices[slot];
-    stored.assign(indices.begin(), indices.end());
-    job.indices = stored;
-    meta[slot] = {job.seq, job.batch_index, slot, worker};
+    meta[slot] = {job.seq, job.index, slot, lane_wanted};
     ++in_flight;
     ++submitted;
 
     size_t lane_index = 0;
     if (config().per_worker_queues) {
-      CONVEYOR_CHECK(worker >= 0 && static_cast<size_t>(worker) < shared->lanes.size(),
-                     "job for a worker that does not exist");
-      lane_index = static_cast<size_t>(worker);
+      CONVEYOR_CHECK(lane_wanted >= 0 && static_cast<size_t>(lane_wanted) < shared->lanes.size(),
+                     "job for a lane that does not exist");
+      lane_index = static_cast<size_t>(lane_wanted);
     }
     Lane& lane = *shared->lanes[lane_index];
     lane.queue.enqueue(producer_tokens[lane_index], std::move(job));
@@ -646,10 +597,10 @@ struct Engine::Impl {
     return timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
   }
 
-  ReadyBatch wait_ready(Clock::time_point deadline) {
+  ReadyJob wait_ready(Clock::time_point deadline) {
     CONVEYOR_CHECK(in_flight > taken, "wait_ready with nothing in flight");
     const bool has_deadline = deadline != Clock::time_point::max();
-    ReadyBatch ready;
+    ReadyJob ready;
     const int64_t awaited = config().in_order ? static_cast<int64_t>(expect_slot) : Shared::kAnySlot;
     if (!wait_until([&] { return try_ready(ready); }, deadline, has_deadline, awaited)) {
       throw_timeout(config().in_order ? expect_slot : oldest_in_flight());
@@ -657,7 +608,7 @@ struct Engine::Impl {
     return ready;
   }
 
-  bool try_ready(ReadyBatch& ready) {
+  bool try_ready(ReadyJob& ready) {
     CONVEYOR_CHECK(in_flight > taken, "try_ready with nothing in flight");
     if (config().in_order) {
       const uint32_t slot = expect_slot;
@@ -681,7 +632,7 @@ struct Engine::Impl {
     uint64_t best = UINT64_MAX;
     for (uint32_t s = 0; s < meta.size(); ++s) {
       if (!slot_in_flight(s)) continue;
-      const uint64_t age = meta[s].batch_index;
+      const uint64_t age = meta[s].index;
       if (age < best) {
         best = age;
         oldest = s;
@@ -692,28 +643,28 @@ struct Engine::Impl {
 
   [[noreturn]] void throw_timeout(uint32_t slot) const {
     const SlotClock& s = shared->clocks[slot];
-    const ReadyBatch& m = meta[slot];
+    const ReadyJob& m = meta[slot];
     const double timeout_s = std::chrono::duration<double>(config().timeout).count();
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
-    std::string message = "DataLoader timed out after " + std::string(seconds) +
-                          " seconds waiting for batch " + std::to_string(m.batch_index);
+    std::string message = config().timeout_subject + " timed out after " + std::string(seconds) +
+                          " seconds waiting for " + config().job_noun + " " + std::to_string(m.index);
     const int64_t started = s.started_ns.load(std::memory_order_relaxed);
     const int running = s.running_worker.load(std::memory_order_relaxed);
     if (started != 0) {
       char held[32];
       std::snprintf(held, sizeof held, "%.3f", static_cast<double>(now_ns() - started) / 1e9);
       message += " (worker " + std::to_string(running) + " has been on it for " + held + " s)";
-    } else if (m.worker >= 0) {
-      message += " (queued for worker " + std::to_string(m.worker) + ", not started)";
+    } else if (m.lane >= 0) {
+      message += " (queued for worker " + std::to_string(m.lane) + ", not started)";
     } else {
       message += " (queued, not started)";
     }
-    message += "; " + std::to_string(in_flight) + " batches in flight";
+    message += "; " + std::to_string(in_flight) + " " + config().jobs_noun + " in flight";
     throw TimeoutError(message);
   }
 
-  void release(const ReadyBatch& ready) {
+  void release(const ReadyJob& ready) {
     CONVEYOR_CHECK(in_flight > 0, "release with nothing in flight");
     if (config().in_order) {
       CONVEYOR_CHECK(ready.slot == expect_slot, "in-order release out of order");
@@ -782,18 +733,11 @@ struct Engine::Impl {
 
   // ---- consumer thread only ----
   std::vector<moodycamel::ProducerToken> producer_tokens;  // by lane
-  std::vector<ReadyBatch> meta;  // by slot: what was submitted there
-  // By slot: the job's indices. Written by the consumer before the job is
-  // queued, read by the job; the slot is not reused before its release.
-  std::vector<BatchIndices> slot_indices;
+  std::vector<ReadyJob> meta;  // by slot: what was submitted there
   std::vector<uint32_t> free_slots;
   uint64_t next_seq = 0;
-  uint64_t batch_index = 0;
+  uint64_t job_index = 0;
   uint64_t generation = 0;
-  int64_t base_seed = 0;
-  uint64_t epoch = 0;
-  uint64_t pass = 0;
-  bool seeded = false;
   uint32_t issue_slot = 0;
   uint32_t expect_slot = 0;
   size_t in_flight = 0;
@@ -807,14 +751,14 @@ Engine::Engine(const EngineConfig& config, TaskRunner& runner)
     : impl_(std::make_unique<Impl>(config, runner)) {}
 Engine::~Engine() = default;
 
-void Engine::begin_epoch(int64_t base_seed, uint64_t epoch) { impl_->begin_epoch(base_seed, epoch); }
+void Engine::begin_pass() { impl_->begin_pass(); }
 bool Engine::has_room() const noexcept { return impl_->has_room(); }
 uint32_t Engine::next_slot() const noexcept { return impl_->next_slot(); }
-void Engine::submit(int worker, std::span<const size_t> indices) { impl_->submit(worker, indices); }
-ReadyBatch Engine::wait_ready(Clock::time_point deadline) { return impl_->wait_ready(deadline); }
-bool Engine::try_ready(ReadyBatch& ready) { return impl_->try_ready(ready); }
+void Engine::submit(int lane) { impl_->submit(lane); }
+ReadyJob Engine::wait_ready(Clock::time_point deadline) { return impl_->wait_ready(deadline); }
+bool Engine::try_ready(ReadyJob& ready) { return impl_->try_ready(ready); }
 Clock::time_point Engine::deadline_from_now() const noexcept { return impl_->deadline_from_now(); }
-void Engine::release(const ReadyBatch& ready) noexcept { impl_->release(ready); }
+void Engine::release(const ReadyJob& ready) noexcept { impl_->release(ready); }
 void Engine::cancel() noexcept { impl_->cancel(); }
 size_t Engine::num_workers() const noexcept { return impl_->config().num_workers; }
 uint64_t Engine::cancellations() const noexcept {

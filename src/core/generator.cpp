@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "conveyor/errors.h"
+#include "conveyor/detail/seeds.h"
 #include "conveyor/detail/worker_scope.h"
 
 namespace conveyor {
@@ -359,3 +360,22 @@ float uniform_float(Generator& g) {
 }
 
 }  // namespace conveyor
+
+namespace conveyor::detail {
+namespace {
+
+// splitmix64's finaliser: spreads (base_seed, epoch, batch) into a seed.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index) {
+  return mix(mix(mix(static_cast<uint64_t>(base_seed)) ^ epoch) ^ batch_index);
+}
+
+}  // namespace conveyor::detail

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "conveyor/detail/engine.h"
+#include "conveyor/detail/seeds.h"
 
 namespace conveyor {
 

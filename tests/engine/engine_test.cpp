@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <conveyor/detail/engine.h>
+#include <conveyor/detail/seeds.h>
 #include <conveyor/detail/sequenced_window.h>
 #include <conveyor/errors.h>
 
@@ -24,7 +25,7 @@ namespace {
 using conveyor::detail::Engine;
 using conveyor::detail::EngineConfig;
 using conveyor::detail::Job;
-using conveyor::detail::ReadyBatch;
+using conveyor::detail::ReadyJob;
 using conveyor::testing::Counter;
 using conveyor::testing::Gates;
 using conveyor::testing::OrderLog;
@@ -36,10 +37,10 @@ class GatedRunner final : public conveyor::detail::TaskRunner {
   GatedRunner(size_t window, size_t jobs) : gates(jobs), results(window) {}
   void init_worker(int) override {}
   void run(Job& job, int, const std::exception_ptr&) noexcept override {
-    entered.record(job.batch_index);
-    gates.wait(job.batch_index);
-    results[job.slot] = job.batch_index;
-    completed.record(job.batch_index);
+    entered.record(job.index);
+    gates.wait(job.index);
+    results[job.slot] = job.index;
+    completed.record(job.index);
   }
   void clear(uint32_t slot) noexcept override { results[slot].reset(); }
 
@@ -73,11 +74,11 @@ std::vector<uint64_t> collect(Engine& engine, GatedRunner& runner, size_t count,
                               Counter* delivered = nullptr) {
   std::vector<uint64_t> got;
   for (size_t i = 0; i < count; ++i) {
-    const ReadyBatch ready = engine.wait_ready();
+    const ReadyJob ready = engine.wait_ready();
     if (delivered) delivered->bump();
     EXPECT_TRUE(runner.results[ready.slot].has_value());
-    EXPECT_EQ(*runner.results[ready.slot], ready.batch_index);
-    got.push_back(ready.batch_index);
+    EXPECT_EQ(*runner.results[ready.slot], ready.index);
+    got.push_back(ready.index);
     runner.clear(ready.slot);
     engine.release(ready);
   }
@@ -89,8 +90,8 @@ const std::vector<uint64_t> kForced = {3, 7, 0, 5, 1, 6, 2, 4};
 TEST(Engine, InOrderDeliversSamplerOrderWhateverTheCompletionOrder) {
   GatedRunner runner(8, 8);
   Engine engine(config(8, 8, true), runner);
-  engine.begin_epoch(0, 0);
-  for (int k = 0; k < 8; ++k) engine.submit(k % 8, {});
+  engine.begin_pass();
+  for (int k = 0; k < 8; ++k) engine.submit(k % 8);
   std::thread opener = force_completion_order(runner, kForced);
   const auto got = collect(engine, runner, 8);
   opener.join();
@@ -101,8 +102,8 @@ TEST(Engine, InOrderDeliversSamplerOrderWhateverTheCompletionOrder) {
 TEST(Engine, OutOfOrderDeliversEachBatchOnceAsItCompletes) {
   GatedRunner runner(8, 8);
   Engine engine(config(8, 8, false), runner);
-  engine.begin_epoch(0, 0);
-  for (int k = 0; k < 8; ++k) engine.submit(k % 8, {});
+  engine.begin_pass();
+  for (int k = 0; k < 8; ++k) engine.submit(k % 8);
   // Here a job counts as finished once the consumer has it: the next gate
   // opens only then, so publication follows the forced order too.
   Counter delivered;
@@ -123,11 +124,11 @@ TEST(Engine, WindowRefillsAsTheConsumerReleases) {
   const size_t total = 32, window = 4;
   GatedRunner runner(window, total);
   Engine engine(config(2, window, true), runner);
-  engine.begin_epoch(0, 0);
+  engine.begin_pass();
   std::vector<uint64_t> got;
   size_t submitted = 0;
   while (got.size() < total) {
-    while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2), {});
+    while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2));
     EXPECT_EQ(engine.stats().in_flight, std::min(window, total - got.size()));
     if (submitted < total) {
       EXPECT_FALSE(engine.has_room());
@@ -136,8 +137,8 @@ TEST(Engine, WindowRefillsAsTheConsumerReleases) {
       // Open this window's gates last-first.
       for (size_t k = got.size() + window; k-- > got.size();) runner.gates.open(k);
     }
-    const ReadyBatch ready = engine.wait_ready();
-    got.push_back(ready.batch_index);
+    const ReadyJob ready = engine.wait_ready();
+    got.push_back(ready.index);
     runner.clear(ready.slot);
     engine.release(ready);
   }
@@ -153,14 +154,14 @@ TEST(Engine, SequenceNumbersWrapSafely) {
     EngineConfig c = config(2, 3, in_order);
     c.first_seq = std::numeric_limits<uint64_t>::max() - 7;  // wraps after 8 jobs
     Engine engine(c, runner);
-    engine.begin_epoch(0, 0);
+    engine.begin_pass();
     std::vector<uint64_t> got;
     std::vector<uint64_t> seqs;
     size_t submitted = 0;
     while (got.size() < total) {
-      while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2), {});
-      const ReadyBatch ready = engine.wait_ready();
-      got.push_back(ready.batch_index);
+      while (engine.has_room() && submitted < total) engine.submit(static_cast<int>(submitted++ % 2));
+      const ReadyJob ready = engine.wait_ready();
+      got.push_back(ready.index);
       seqs.push_back(ready.seq);
       runner.clear(ready.slot);
       engine.release(ready);
@@ -181,9 +182,9 @@ TEST(Engine, TimeoutNamesTheBatchItsWorkerAndTheLoadThenTheWaitCanResume) {
   EngineConfig c = config(1, 2, true);
   c.timeout = std::chrono::milliseconds(50);
   Engine engine(c, runner);
-  engine.begin_epoch(0, 0);
-  engine.submit(0, {});
-  engine.submit(0, {});
+  engine.begin_pass();
+  engine.submit(0);
+  engine.submit(0);
   runner.entered.wait_for(1);  // worker 0 is inside batch 0
   try {
     engine.wait_ready();
@@ -203,8 +204,8 @@ TEST(Engine, CancelSkipsQueuedJobsWaitsForTheRunningOneAndLeavesTheEngineUsable)
   const size_t window = 4;
   GatedRunner runner(window, 16);
   Engine engine(config(1, window, true), runner);
-  engine.begin_epoch(0, 0);
-  for (int k = 0; k < 4; ++k) engine.submit(0, {});
+  engine.begin_pass();
+  for (int k = 0; k < 4; ++k) engine.submit(0);
   runner.entered.wait_for(1);  // job 0 runs; 1..3 wait behind it on worker 0
   std::thread opener([&] {
     // Let job 0 finish only once the cancellation has begun: then jobs 1..3
@@ -218,9 +219,9 @@ TEST(Engine, CancelSkipsQueuedJobsWaitsForTheRunningOneAndLeavesTheEngineUsable)
   EXPECT_EQ(engine.stats().in_flight, 0u);
   for (const auto& r : runner.results) EXPECT_FALSE(r.has_value());
 
-  engine.begin_epoch(1, 1);  // the next pass starts at batch 0 again
+  engine.begin_pass();  // the next pass starts at batch 0 again
   for (size_t k = 0; k < 4; ++k) runner.gates.open(k);
-  for (int k = 0; k < 4; ++k) engine.submit(0, {});
+  for (int k = 0; k < 4; ++k) engine.submit(0);
   EXPECT_EQ(collect(engine, runner, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
 }
 
@@ -229,8 +230,8 @@ TEST(Engine, DestructionMidEpochWaitsForRunningJobs) {
   std::thread opener;
   {
     Engine engine(config(2, 4, false), runner);
-    engine.begin_epoch(0, 0);
-    for (int k = 0; k < 4; ++k) engine.submit(k % 2, {});
+    engine.begin_pass();
+    for (int k = 0; k < 4; ++k) engine.submit(k % 2);
     runner.entered.wait_for(2);  // both workers are inside a job
     opener = std::thread([&] { runner.gates.open_all(); });
   }  // ~Engine: waits for what runs; what was still queued is skipped
@@ -248,25 +249,24 @@ TEST(Engine, WorkStealingRunsJobsOnAnyWorkerInSubmissionOrder) {
   runner.gates.open_all();
   EngineConfig c = config(4, 8, true);
   c.per_worker_queues = false;
-  c.per_batch_generators = true;
   Engine engine(c, runner);
-  engine.begin_epoch(0, 0);
+  engine.begin_pass();
   std::vector<uint64_t> got;
   size_t submitted = 0;
   while (got.size() < total) {
     while (engine.has_room() && submitted < total) {
-      engine.submit(-1, {});
+      engine.submit(-1);
       ++submitted;
     }
-    const ReadyBatch ready = engine.wait_ready();
-    got.push_back(ready.batch_index);
+    const ReadyJob ready = engine.wait_ready();
+    got.push_back(ready.index);
     runner.clear(ready.slot);
     engine.release(ready);
   }
   for (size_t i = 0; i < total; ++i) EXPECT_EQ(got[i], i);
 }
 
-TEST(Engine, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {
+TEST(Seeds, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {
   using conveyor::detail::work_stealing_seed;
   EXPECT_EQ(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 1, 9));
   EXPECT_NE(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 1, 10));
@@ -313,11 +313,12 @@ struct GatedPayload {
 class GatedWork final : public conveyor::detail::SequencedWindow<GatedPayload>::Work {
  public:
   explicit GatedWork(size_t jobs) : gates(jobs) {}
-  void run(Job& job, GatedPayload& payload, int, const std::exception_ptr&) noexcept override {
-    entered.record(job.batch_index);
-    gates.wait(job.batch_index);
+  void run(Job& job, conveyor::detail::NoInput&, GatedPayload& payload, int,
+           const std::exception_ptr&) noexcept override {
+    entered.record(job.index);
+    gates.wait(job.index);
     payload.output = *payload.input * 10;
-    completed.record(job.batch_index);
+    completed.record(job.index);
   }
   Gates gates;
   OrderLog entered;
@@ -339,7 +340,7 @@ TEST(SequencedWindow, EachPayloadComesOutWithItsTurnWhateverTheCompletionOrder) 
     const std::vector<uint64_t> finish = {2, 0, 3, 1};
     GatedWork work(finish.size());
     GatedWindow window(config(4, 4, in_order), work);
-    window.begin_epoch(0, 0);
+    window.begin_pass();
     std::vector<std::shared_ptr<uint64_t>> inputs;
     for (uint64_t k = 0; k < 4; ++k) inputs.push_back(submit_input(window, 100 + k, static_cast<int>(k)));
     EXPECT_FALSE(window.has_room());
@@ -361,11 +362,11 @@ TEST(SequencedWindow, EachPayloadComesOutWithItsTurnWhateverTheCompletionOrder) 
     for (int k = 0; k < 4; ++k) {
       GatedWindow::Taken taken = window.take();
       delivered.bump();
-      order.push_back(taken.batch_index);
+      order.push_back(taken.index);
       ASSERT_TRUE(taken.payload.output.has_value());
-      EXPECT_EQ(*taken.payload.output, (100 + taken.batch_index) * 10);  // its own input's result
-      EXPECT_EQ(taken.payload.input, inputs[taken.batch_index]);
-      EXPECT_EQ(taken.worker, static_cast<int>(taken.batch_index));
+      EXPECT_EQ(*taken.payload.output, (100 + taken.index) * 10);  // its own input's result
+      EXPECT_EQ(taken.payload.input, inputs[taken.index]);
+      EXPECT_EQ(taken.lane, static_cast<int>(taken.index));
     }
     opener.join();
     EXPECT_EQ(order, in_order ? std::vector<uint64_t>({0, 1, 2, 3}) : finish);
@@ -379,7 +380,7 @@ TEST(SequencedWindow, EachPayloadComesOutWithItsTurnWhateverTheCompletionOrder) 
 TEST(SequencedWindow, CancelEmptiesEveryPayloadAndTheWindowGoesOn) {
   GatedWork work(8);
   GatedWindow window(config(1, 4, true), work);
-  window.begin_epoch(0, 0);
+  window.begin_pass();
   std::vector<std::shared_ptr<uint64_t>> inputs;
   for (uint64_t k = 0; k < 4; ++k) inputs.push_back(submit_input(window, k, 0));
   work.entered.wait_for(1);  // job 0 runs; 1..3 queue behind it
@@ -393,11 +394,11 @@ TEST(SequencedWindow, CancelEmptiesEveryPayloadAndTheWindowGoesOn) {
   // The run job's and the skipped jobs' payloads are gone alike.
   for (const auto& input : inputs) EXPECT_EQ(input.use_count(), 1);
 
-  window.begin_epoch(1, 1);
+  window.begin_pass();
   for (size_t k = 0; k < 4; ++k) work.gates.open(k);
   submit_input(window, 7, 0);
   GatedWindow::Taken taken = window.take();
-  EXPECT_EQ(taken.batch_index, 0u);
+  EXPECT_EQ(taken.index, 0u);
   EXPECT_EQ(taken.payload.output, std::optional<uint64_t>(70));
 }
 
@@ -407,13 +408,79 @@ TEST(SequencedWindow, DestructionMidPassFreesEveryPayload) {
   std::thread opener;
   {
     GatedWindow window(config(2, 4, false), work);
-    window.begin_epoch(0, 0);
+    window.begin_pass();
     for (uint64_t k = 0; k < 4; ++k) inputs.push_back(submit_input(window, k, static_cast<int>(k % 2)));
     work.entered.wait_for(2);
     opener = std::thread([&] { work.gates.open_all(); });
   }
   opener.join();
   for (const auto& input : inputs) EXPECT_EQ(input.use_count(), 1);
+}
+
+// Each job sums its input into its payload once its gate opens.
+class SummingWork final : public conveyor::detail::SequencedWindow<std::optional<int>, std::vector<int>>::Work {
+ public:
+  explicit SummingWork(size_t jobs) : gates(jobs) {}
+  void run(Job& job, std::vector<int>& input, std::optional<int>& sum, int,
+           const std::exception_ptr&) noexcept override {
+    gates.wait(job.index);
+    sum = 0;
+    for (const int v : input) *sum += v;
+  }
+  Gates gates;
+};
+
+TEST(SequencedWindow, InputsStayInTheirSlotsForTheNextJobAndCancelFreesThem) {
+  using Window = conveyor::detail::SequencedWindow<std::optional<int>, std::vector<int>>;
+  SummingWork work(4);
+  Window window(config(1, 1, true), work);
+  window.begin_pass();
+  window.next_input().assign(100, 1);
+  const int* storage = window.next_input().data();
+  window.submit(0);
+  work.gates.open(0);
+  EXPECT_EQ(window.take().payload, std::optional<int>(100));
+  // The slot's vector is reused: the next input of that size is written into
+  // the same storage (no allocation once warm).
+  window.next_input().assign(100, 2);
+  EXPECT_EQ(window.next_input().data(), storage);
+  window.submit(0);
+  work.gates.open(1);
+  EXPECT_EQ(window.take().payload, std::optional<int>(200));
+  // A cancelled job's input goes with it.
+  window.next_input().assign(100, 3);
+  window.submit(0);  // job 2: its gate stays shut until the cancel has begun
+  std::thread opener([&] {
+    while (window.cancellations() == 0) std::this_thread::yield();
+    work.gates.open(2);
+  });
+  window.cancel();
+  opener.join();
+  EXPECT_EQ(window.next_input().capacity(), 0u);
+}
+
+TEST(Engine, TimeoutMessagesNameTheirSubjectAndJobs) {
+  GatedRunner runner(1, 1);
+  EngineConfig c = config(1, 1, true);
+  c.timeout = std::chrono::milliseconds(20);
+  c.timeout_subject = "map(workers=1)";
+  c.job_noun = "item";
+  c.jobs_noun = "items";
+  Engine engine(c, runner);
+  engine.begin_pass();
+  engine.submit(0);
+  runner.entered.wait_for(1);
+  try {
+    engine.wait_ready();
+    FAIL() << "no timeout";
+  } catch (const conveyor::TimeoutError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("map(workers=1) timed out after 0.02 seconds waiting for item 0"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("1 items in flight"), std::string::npos) << message;
+  }
+  runner.gates.open_all();
+  EXPECT_EQ(collect(engine, runner, 1), (std::vector<uint64_t>{0}));
 }
 
 TEST(ThreadSanitizer, ARaceInAnElementMovedThroughTheQueueIsReported) {

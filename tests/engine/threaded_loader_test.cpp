@@ -11,6 +11,7 @@
 #include <atomic>
 #include <latch>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
@@ -366,6 +367,33 @@ TEST(WorkerInfo, ManualSeedInWorkerInitFnSeedsThatWorkersGenerator) {
     for (double draw : draws[w]) EXPECT_EQ(draw, conveyor::uniform(expected)) << "worker " << w;
   }
   EXPECT_EQ(conveyor::default_generator().get_state(), process_before);
+}
+
+TEST(WorkerInfo, UnderWorkStealingWorkerInitFnDrawsFromItsWorkersSeed) {
+  // Which batch a worker of the shared queue takes first is a race, so its
+  // worker_init_fn draws from the worker's own seed (base seed + id), not
+  // from a batch's.
+  RangeDataset dataset(64);
+  std::mutex mutex;
+  std::map<int, std::pair<uint64_t, double>> seen;  // id -> (info seed, first draw)
+  conveyor::DataLoader loader(dataset, {.batch_size = 4, .num_workers = 3,
+                                        .worker_init_fn =
+                                            [&](int id) {
+                                              const double draw = conveyor::uniform(conveyor::default_generator());
+                                              std::lock_guard lock(mutex);
+                                              seen[id] = {conveyor::get_worker_info()->seed, draw};
+                                            },
+                                        .seed = 6, .scheduling = Scheduling::work_stealing});
+  auto epoch = loader.iter();
+  while (epoch.next()) {
+  }
+  std::lock_guard lock(mutex);
+  for (const auto& [id, seed_and_draw] : seen) {
+    EXPECT_EQ(seed_and_draw.first, static_cast<uint64_t>(epoch.base_seed()) + static_cast<uint64_t>(id));
+    conveyor::Generator expected(seed_and_draw.first);
+    EXPECT_EQ(seed_and_draw.second, conveyor::uniform(expected)) << "worker " << id;
+  }
+  EXPECT_FALSE(seen.empty());
 }
 
 TEST(WorkerInfo, DatasetsSeeTheirWorker) {

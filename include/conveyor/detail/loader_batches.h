@@ -38,8 +38,12 @@
 #include "conveyor/detail/engine.h"
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/loader_core.h"
+#include "conveyor/detail/seeds.h"
 #include "conveyor/detail/sequenced_window.h"
+#include "conveyor/detail/worker_scope.h"
 #include "conveyor/errors.h"
+#include "conveyor/generator.h"
+#include "conveyor/worker_info.h"
 
 namespace conveyor::detail {
 
@@ -52,6 +56,14 @@ struct SlotResult {
   // its iter() or worker_init_fn failed: that worker counts as exhausted).
   bool end_of_replica = false;
   StageTimes times;
+};
+
+// One batch's job as the loader sees it: the runtime's Job knows only its
+// place in the pass.
+struct BatchJob {
+  uint64_t batch_index = 0;  // position within the epoch
+  uint64_t pass = 0;         // counts passes: a new pass restarts the replicas
+  std::span<const size_t> indices;  // map-style: the samples
 };
 
 // The reorder window a pool gets: prefetch_factor x num_workers, but no more
@@ -80,7 +92,8 @@ class BatchWork {
 
   // Makes the batch of `job` into `out`, or records why it could not.
   // `worker` is -1 in the consumer's thread (replica 0, no worker info).
-  void run(const Job& job, SlotResult<batch_type>& out, int worker, const std::exception_ptr& init_failure) noexcept {
+  void run(const BatchJob& job, SlotResult<batch_type>& out, int worker,
+           const std::exception_ptr& init_failure) noexcept {
     const char* stage = "fetch";
     try {
       if constexpr (MapStyleDataset<D>) {
@@ -108,7 +121,7 @@ class BatchWork {
     bool exhausted = false;
   };
 
-  void produce_from_replica(const Job& job, int worker, const std::exception_ptr& init_failure,
+  void produce_from_replica(const BatchJob& job, int worker, const std::exception_ptr& init_failure,
                             SlotResult<batch_type>& out, const char*& stage) {
     if constexpr (IterableStyleDataset<D>) {
       Replica& replica = replicas_[static_cast<size_t>(std::max(worker, 0))];
@@ -158,27 +171,36 @@ class BatchWork {
 };
 
 // The engine's workers and their window. Lives for one pass, or for the
-// loader's lifetime with persistent_workers.
+// loader's lifetime with persistent_workers. PyTorch's worker semantics live
+// here, not in the runtime: each worker's WorkerInfo (seed = base seed + id)
+// and generator, seeded once per pass (once in all when persistent), and
+// under work_stealing a generator per batch from (base seed, epoch, batch).
 template <class D, class C>
-class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D, C>::batch_type>>::Work {
+class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D, C>::batch_type>, BatchIndices>::Work {
  public:
   using Core = LoaderCore<D, C>;
   using batch_type = typename Core::batch_type;
-  using Window = SequencedWindow<SlotResult<batch_type>>;
+  using Window = SequencedWindow<SlotResult<batch_type>, BatchIndices>;
 
   // `core` owns or outlives the pool.
-  explicit WorkerPool(Core& core) : work_(core, core.plan.num_workers) {
+  explicit WorkerPool(Core& core)
+      : work_(core, core.plan.num_workers),
+        per_batch_generators_(core.plan.scheduling == Scheduling::work_stealing),
+        persistent_(core.plan.persistent_workers),
+        workers_(core.plan.num_workers) {
     const LoaderPlan& plan = core.plan;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      workers_[w].info.set_dataset(core.dataset.get());
+      workers_[w].info.id = static_cast<int>(w);
+      workers_[w].info.num_workers = static_cast<int>(plan.num_workers);
+    }
     EngineConfig config;
     config.num_workers = plan.num_workers;
     config.window = window_for(plan);
     config.in_order = plan.in_order;
     const bool iterable = plan.kind == DatasetKind::iterable;
     config.per_worker_queues = iterable || plan.scheduling == Scheduling::round_robin;
-    config.per_batch_generators = plan.scheduling == Scheduling::work_stealing;
-    config.persistent = plan.persistent_workers;
     config.timeout = plan.timeout;
-    config.worker_prototype.set_dataset(core.dataset.get());
     window_.emplace(config, *this);
   }
 
@@ -187,17 +209,60 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
 
   Window& window() noexcept { return *window_; }
 
+  // Starts a pass (consumer thread, nothing in flight): workers are seeded
+  // base_seed + id, their generators afresh unless persistent and seeded
+  // before (PyTorch seeds a worker once). Workers read all of this after
+  // taking a job, which the consumer queues after writing it.
+  void begin_pass(int64_t base_seed, uint64_t epoch) {
+    window_->begin_pass();
+    base_seed_ = base_seed;
+    epoch_ = epoch;
+    ++pass_;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      Worker& worker = workers_[w];
+      worker.info.seed = static_cast<uint64_t>(base_seed) + w;
+      if (pass_ == 1 || !persistent_) worker.generator = Generator(worker.info.seed);
+    }
+  }
+
   // One pass at a time may use a persistent pool. Consumer thread only.
   bool leased = false;
 
  private:
-  void init_worker(int worker) override { work_.init_worker(worker); }
-  void run(Job& job, SlotResult<batch_type>& out, int worker,
+  // A worker's identity. Touched by the runtime's worker `id` only: a lane's
+  // jobs never overlap; on the shared lane (work_stealing) the info is read
+  // only and the generator serves worker_init_fn alone, which the runtime
+  // runs once per worker.
+  struct Worker {
+    WorkerInfo info;
+    Generator generator;
+  };
+
+  void init_worker(int worker) override {
+    Worker& mine = workers_[static_cast<size_t>(worker)];
+    WorkerScope scope(&mine.info, &mine.generator);
+    work_.init_worker(worker);
+  }
+  void run(Job& job, BatchIndices& indices, SlotResult<batch_type>& out, int worker,
            const std::exception_ptr& init_failure) noexcept override {
-    work_.run(job, out, worker, init_failure);
+    Worker& mine = workers_[static_cast<size_t>(worker)];
+    std::optional<WorkerScope> scope;
+    if (per_batch_generators_) {
+      scope.emplace(&mine.info, work_stealing_seed(base_seed_, epoch_, job.index));
+    } else {
+      scope.emplace(&mine.info, &mine.generator);
+    }
+    work_.run(BatchJob{job.index, pass_, indices}, out, worker, init_failure);
   }
 
   BatchWork<D, C> work_;
+  const bool per_batch_generators_;
+  const bool persistent_;
+  std::vector<Worker> workers_;  // by worker id
+  // The pass's, written by begin_pass() before its jobs are queued.
+  int64_t base_seed_ = 0;
+  uint64_t epoch_ = 0;
+  uint64_t pass_ = 0;
   std::optional<Window> window_;  // last: stopped first
 };
 
@@ -212,7 +277,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
 // Static, not virtual: the inline loader hands out millions of tiny batches
 // a second (W0), and each of these is called once or twice per batch.
 template <class Batch>
-using LanesTaken = typename SequencedWindow<SlotResult<Batch>>::Taken;
+using LanesTaken = WindowTaken<SlotResult<Batch>>;
 
 // num_workers > 0: a pool's window, leased for the pass.
 template <class D, class C>
@@ -237,7 +302,7 @@ class WorkerLanes {
   // starts the next: its seeds, its replicas.
   void begin_pass(int64_t base_seed, uint64_t epoch) {
     window_.cancel();
-    window_.begin_epoch(base_seed, epoch);
+    pool_->begin_pass(base_seed, epoch);
   }
 
   // Cancels what is queued, waits for what runs, frees every slot. Never
@@ -263,7 +328,10 @@ class WorkerLanes {
   size_t window() const noexcept { return window_.window(); }
   bool has_room() const noexcept { return window_.has_room(); }
   size_t in_flight() const noexcept { return window_.in_flight(); }
-  void submit(int worker, std::span<const size_t> indices) { window_.submit(worker, indices); }
+  void submit(int worker, std::span<const size_t> indices) {
+    window_.next_input().assign(indices.begin(), indices.end());  // the slot's vector: no allocation once warm
+    window_.submit(worker);
+  }
   Taken take(std::chrono::steady_clock::time_point deadline) {
     try {
       return window_.take(deadline);
@@ -297,7 +365,7 @@ class InlineLanes {
   using Taken = LanesTaken<batch_type>;
 
   explicit InlineLanes(std::shared_ptr<Core> core) : core_(std::move(core)), work_(*core_, 1) {
-    made_.worker = 0;  // the only lane
+    made_.lane = 0;  // the only lane
   }
 
   void begin_pass(int64_t base_seed, uint64_t epoch) {
@@ -314,10 +382,7 @@ class InlineLanes {
   bool has_room() const noexcept { return !held_; }
   size_t in_flight() const noexcept { return held_ ? 1 : 0; }
   void submit(int /*worker*/, std::span<const size_t> indices) {
-    Job job;
-    job.batch_index = next_batch_++;
-    job.pass = pass_;
-    job.indices = indices;
+    const BatchJob job{next_batch_++, pass_, indices};
     std::optional<WorkerScope> scope;
     if (core_->plan.scheduling == Scheduling::work_stealing) {
       scope.emplace(nullptr, work_stealing_seed(base_seed_, epoch_, job.batch_index));
@@ -330,7 +395,7 @@ class InlineLanes {
     out.end_of_replica = false;
     out.times = {};
     work_.run(job, out, /*worker=*/-1, nullptr);
-    made_.batch_index = job.batch_index;
+    made_.index = job.batch_index;
     held_ = true;
   }
   // The made job, in place: LoaderBatches moves the batch out of it (one
@@ -463,7 +528,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     times_.fetch_ns += result.times.fetch_ns;
     times_.collate_ns += result.times.collate_ns;
     if (result.end_of_replica) {
-      const auto worker = static_cast<size_t>(taken.worker);
+      const auto worker = static_cast<size_t>(taken.lane);
       if (active_[worker]) {
         active_[worker] = false;
         --active_count_;

@@ -19,6 +19,7 @@
 #include "conveyor/buffer.h"
 #include "conveyor/detail/buffer_pool.h"
 #include "conveyor/detail/failure.h"
+#include "conveyor/detail/seeds.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
 #include "conveyor/errors.h"
@@ -92,9 +93,6 @@ inline size_t reserve_for_batch(size_t wanted) { return std::min<size_t>(wanted,
 // every task it started) keeps what it uses alive.
 template <class D, class C>
 class WorkerPool;
-
-// Defined with the engine (runtime/engine.cpp).
-uint64_t work_stealing_seed(int64_t base_seed, uint64_t epoch, uint64_t batch_index);
 
 template <class D, class C>
 struct LoaderCore {

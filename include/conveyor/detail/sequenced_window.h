@@ -3,15 +3,18 @@
 // Every threaded node and the loader's workers hand results over the same
 // way: the consumer writes a job's input into its window slot and submits
 // it, a worker fills the slot, the consumer takes the slot back in turn.
-// SequencedWindow<Payload> keeps each slot's payload beside the engine's
-// turn for it, so what a worker wrote and the turn that publishes it travel
-// together: take() returns the payload with its place, and nothing outside
-// the window indexes slots or clears them after a cancelled pass.
+// SequencedWindow<Payload, Input> keeps each slot's input and payload beside
+// the engine's turn for it, so what a worker wrote and the turn that
+// publishes it travel together: take() returns the payload with its place,
+// and nothing outside the window indexes slots or clears them after a
+// cancelled pass.
 //
-// Memory: `window` payloads, made once. take() moves a payload out and
-// leaves the slot empty (Payload{}); nothing grows with a slow worker.
+// Memory: `window` inputs and payloads, made once. take() moves a payload out
+// and leaves the slot empty (Payload{}); an input stays in its slot for the
+// next job there to overwrite (a vector keeps its capacity: no allocation
+// once warm). Nothing grows with a slow worker.
 // Threads: the consumer owns the window (submit, take, cancel); a job's
-// payload belongs to the worker running it from submit() until its
+// input and payload belong to the worker running it from submit() until its
 // publication, which happens-before take() (the engine's contract).
 #pragma once
 
@@ -20,7 +23,6 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
-#include <span>
 #include <utility>
 #include <vector>
 
@@ -28,7 +30,18 @@
 
 namespace conveyor::detail {
 
+// A window whose jobs need no input of their own.
+struct NoInput {};
+
+// A finished job: its payload and where it came from.
 template <class Payload>
+struct WindowTaken {
+  Payload payload;
+  uint64_t index = 0;  // the job's position in the pass
+  int lane = -1;       // the lane it was submitted to
+};
+
+template <class Payload, class Input = NoInput>
 class SequencedWindow final : private TaskRunner {
  public:
   // What the workers do with a job: the typed side of the engine.
@@ -38,21 +51,21 @@ class SequencedWindow final : private TaskRunner {
     // Once per worker before its first job (worker_init_fn). May throw: the
     // engine hands the failure to that worker's jobs.
     virtual void init_worker(int /*worker*/) {}
-    // Fills `payload` (which holds what the consumer wrote before submit())
-    // for `job`. Runs on a worker; must not throw.
-    virtual void run(Job& job, Payload& payload, int worker, const std::exception_ptr& init_failure) noexcept = 0;
+    // Fills `payload` for `job` from `input` (and whatever the consumer
+    // wrote into the payload before submit()). Runs on a worker; `worker`
+    // as in TaskRunner::run. Must not throw.
+    virtual void run(Job& job, Input& input, Payload& payload, int worker,
+                     const std::exception_ptr& init_failure) noexcept = 0;
   };
 
-  // A finished job: its payload and where it came from.
-  struct Taken {
-    Payload payload;
-    uint64_t batch_index = 0;
-    int worker = -1;
-  };
+  using Taken = WindowTaken<Payload>;
 
   // Starts the engine's workers; `work` must outlive the window.
   SequencedWindow(const EngineConfig& config, Work& work)
-      : work_(work), payloads_(config.window), engine_(std::in_place, config, static_cast<TaskRunner&>(*this)) {}
+      : work_(work),
+        inputs_(config.window),
+        payloads_(config.window),
+        engine_(std::in_place, config, static_cast<TaskRunner&>(*this)) {}
   // Stops the workers (cancelling what is queued) before the payloads go.
   ~SequencedWindow() override { engine_.reset(); }
   SequencedWindow(const SequencedWindow&) = delete;
@@ -60,15 +73,18 @@ class SequencedWindow final : private TaskRunner {
 
   // ---- consumer thread only ----
 
-  void begin_epoch(int64_t base_seed, uint64_t epoch) { engine_->begin_epoch(base_seed, epoch); }
+  // Starts a pass: job indices restart at 0. Nothing may be in flight.
+  void begin_pass() { engine_->begin_pass(); }
   bool has_room() const noexcept { return engine_->has_room(); }
   size_t in_flight() const noexcept { return engine_->stats().in_flight; }
   size_t window() const noexcept { return payloads_.size(); }
   // The payload the next submit() sends (requires has_room()): the slot is
   // free by the window's invariant, so its input can be written now.
   Payload& next_payload() noexcept { return payloads_[engine_->next_slot()]; }
-  // Queues the job whose input is in next_payload(), for `worker` (-1: any).
-  void submit(int worker = -1, std::span<const size_t> indices = {}) { engine_->submit(worker, indices); }
+  Input& next_input() noexcept { return inputs_[engine_->next_slot()]; }
+  // Queues the job whose input is in next_input() (and next_payload()), on
+  // `lane` (per-worker queues), or -1 (the shared one).
+  void submit(int lane = -1) { engine_->submit(lane); }
 
   // The next finished job (in order or as they finish, per the config),
   // waiting until `deadline` (TimeoutError past it; retrying is allowed).
@@ -78,7 +94,7 @@ class SequencedWindow final : private TaskRunner {
   // The same without waiting: nullopt when none has finished (or none is
   // in flight).
   std::optional<Taken> try_take() {
-    ReadyBatch ready;
+    ReadyJob ready;
     if (in_flight() == 0 || !engine_->try_ready(ready)) return std::nullopt;
     return take_slot(ready);
   }
@@ -92,8 +108,8 @@ class SequencedWindow final : private TaskRunner {
   uint64_t cancellations() const noexcept { return engine_->cancellations(); }
 
  private:
-  Taken take_slot(const ReadyBatch& ready) {
-    Taken taken{std::move(payloads_[ready.slot]), ready.batch_index, ready.worker};
+  Taken take_slot(const ReadyJob& ready) {
+    Taken taken{std::move(payloads_[ready.slot]), ready.index, ready.lane};
     payloads_[ready.slot] = Payload{};
     engine_->release(ready);
     return taken;
@@ -102,11 +118,15 @@ class SequencedWindow final : private TaskRunner {
   // ---- TaskRunner, on the workers; clear() on the consumer's thread inside cancel() ----
   void init_worker(int worker) override { work_.init_worker(worker); }
   void run(Job& job, int worker, const std::exception_ptr& init_failure) noexcept override {
-    work_.run(job, payloads_[job.slot], worker, init_failure);
+    work_.run(job, inputs_[job.slot], payloads_[job.slot], worker, init_failure);
   }
-  void clear(uint32_t slot) noexcept override { payloads_[slot] = Payload{}; }
+  void clear(uint32_t slot) noexcept override {
+    inputs_[slot] = Input{};
+    payloads_[slot] = Payload{};
+  }
 
   Work& work_;
+  std::vector<Input> inputs_;      // by slot
   std::vector<Payload> payloads_;  // by slot
   std::optional<Engine> engine_;   // last: stopped first
 };

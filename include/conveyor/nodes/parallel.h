@@ -65,14 +65,6 @@ struct Result {
   int64_t busy_ns = 0;    // timed passes: the worker's time on it
 };
 
-// A parallel map's window slot: the input the consumer hands over, the
-// result the worker makes of it.
-template <class In, class Out>
-struct MapSlot {
-  std::optional<In> input;
-  Result<Out> result;
-};
-
 // How full a window was each time its consumer took an item.
 struct Occupancy {
   Counter<uint64_t> takes;
@@ -104,7 +96,6 @@ inline conveyor::detail::EngineConfig engine_config(int workers, int window, boo
   config.window = static_cast<size_t>(window);
   config.in_order = in_order;
   config.per_worker_queues = strand;  // a strand: one lane, its jobs one at a time in order
-  config.per_batch_generators = true;  // our runners install the item's seed themselves
   return config;
 }
 
@@ -114,7 +105,7 @@ template <class In, class F>
 class ParallelMap final
     : public Stage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
       private conveyor::detail::SequencedWindow<
-          detail::MapSlot<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>>::Work {
+          detail::Result<std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>, std::optional<In>>::Work {
  public:
   using Out = std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>;
   using item_type = Out;
@@ -162,8 +153,7 @@ class ParallelMap final
   }
 
  private:
-  using Slot = detail::MapSlot<In, Out>;
-  using Window = conveyor::detail::SequencedWindow<Slot>;
+  using Window = conveyor::detail::SequencedWindow<detail::Result<Out>, std::optional<In>>;
 
   Poll poll(std::optional<Out>& out) {
     while (true) {
@@ -184,7 +174,7 @@ class ParallelMap final
       item_memory_ = conveyor::detail::make_scalable_heap();
       window_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
                       static_cast<typename Window::Work&>(*this));
-      window_->begin_epoch(0, 0);
+      window_->begin_pass();
     }
     return *window_;
   }
@@ -207,20 +197,19 @@ class ParallelMap final
         upstream_done_ = true;
         return;
       }
-      Slot& slot = window().next_payload();
-      slot.input.emplace(std::move(*item));
-      slot.result.position = this->position();
+      // The input stays in its slot after the worker moved from it, until the
+      // next item there replaces it here: on this thread, which made it.
+      window().next_input().emplace(std::move(*item));
+      window().next_payload().position = this->position();
       window().submit();
     }
     if (!upstream_error_ || window().in_flight() > 0) return;
     std::rethrow_exception(std::exchange(upstream_error_, nullptr));
   }
 
-  // The consumer's thread frees the input here, where glibc's per-thread
-  // cache takes it back cheaply (it made it).
   bool take(typename Window::Taken&& taken, std::optional<Out>& out) {
     occupancy_.add(window().in_flight() + 1);  // counting the one just taken
-    detail::Result<Out>& result = taken.payload.result;
+    detail::Result<Out>& result = taken.payload;
     worker_busy_ns_.add(result.busy_ns);
     if (result.error) {
       if (options_.on_error == OnError::skip) {
@@ -238,13 +227,13 @@ class ParallelMap final
   }
 
   // ---- on the engine's workers ----
-  void run(conveyor::detail::Job&, Slot& slot, int, const std::exception_ptr&) noexcept override {
-    detail::Result<Out>& out = slot.result;
+  void run(conveyor::detail::Job&, std::optional<In>& input, detail::Result<Out>& out, int,
+           const std::exception_ptr&) noexcept override {
     conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, out.position));
     conveyor::detail::AllocatorScope memory(item_memory_.get());
     auto apply = [&] {
       try {
-        out.value.emplace(std::as_const(f_)(std::move(*slot.input)));  // f runs on many threads
+        out.value.emplace(std::as_const(f_)(std::move(*input)));  // f runs on many threads
       } catch (...) {
         out.error = std::current_exception();
       }
@@ -329,7 +318,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     if (!window_) {
       window_.emplace(detail::engine_config(1, depth_, /*in_order=*/true, /*strand=*/true),
                       static_cast<typename Window::Work&>(*this));
-      window_->begin_epoch(0, 0);
+      window_->begin_pass();
     }
     return *window_;
   }
@@ -352,7 +341,8 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   }
 
   // ---- on the strand ----
-  void run(conveyor::detail::Job&, detail::Result<T>& out, int, const std::exception_ptr&) noexcept override {
+  void run(conveyor::detail::Job&, conveyor::detail::NoInput&, detail::Result<T>& out, int,
+           const std::exception_ptr&) noexcept override {
     if (ended_) {
       out.end = true;
       return;

@@ -463,11 +463,58 @@ void drain(Shared& shared, Lane& lane) {
 
 }  // namespace
 
+// ---- Executor ------------------------------------------------------------
+struct Executor::Impl {
+  // The arena, started once with every thread reserved until then; the
+  // first engine to start it fixes its size. Construction path only.
+  tbb::task_arena& start() {
+    std::call_once(started_once, [&] {
+      std::lock_guard lock(mutex);
+      started = true;
+      reservation.emplace(reserved);
+      arena.initialize(static_cast<int>(reserved), /*reserved_for_masters=*/0);
+    });
+    return arena;
+  }
+
+  mutable std::mutex mutex;  // reserve() and start(): never on the hot path
+  size_t reserved = 0;
+  bool started = false;
+  std::once_flag started_once;
+  std::optional<ThreadReservation> reservation;
+  tbb::task_arena arena;
+};
+
+Executor::Executor() : impl_(std::make_unique<Impl>()) {}
+Executor::~Executor() = default;
+
+bool Executor::reserve(size_t threads) {
+  std::lock_guard lock(impl_->mutex);
+  if (impl_->started) return false;
+  impl_->reserved += threads;
+  return true;
+}
+
+size_t Executor::reserved() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->reserved;
+}
+
+namespace {
+
+std::shared_ptr<Executor> own_executor(size_t workers) {
+  auto executor = std::make_shared<Executor>();
+  executor->reserve(workers);
+  return executor;
+}
+
+}  // namespace
+
 struct Engine::Impl {
-  Impl(const EngineConfig& config, TaskRunner& runner)
-      : reservation(config.num_workers),
+  Impl(const EngineConfig& config, TaskRunner& runner, std::shared_ptr<Executor> given)
+      : executor(given ? std::move(given) : own_executor(config.num_workers)),
         shared(std::make_shared<Shared>(config, runner)),
-        arena(static_cast<int>(config.num_workers), /*reserved_for_masters=*/0) {
+        arena(executor->impl_->start()) {
     const size_t workers = config.num_workers;
     const size_t window = config.window;
     CONVEYOR_CHECK(workers > 0 && window > 0, "an engine needs workers and a window");
@@ -495,7 +542,6 @@ struct Engine::Impl {
     meta.resize(window);
     for (size_t i = window; i-- > 0;) free_slots.push_back(static_cast<uint32_t>(i));
     next_seq = config.first_seq;
-    arena.initialize();
   }
 
   ~Impl() {
@@ -726,10 +772,10 @@ struct Engine::Impl {
 
   static constexpr int kSpins = 256;
 
-  ThreadReservation reservation;
+  std::shared_ptr<Executor> executor;  // first: outlives the tasks ~Impl waits for
   std::shared_ptr<Shared> shared;
-  tbb::task_arena arena;
-  tbb::task_group drain_tasks;  // every drain task, so ~Impl can wait for them
+  tbb::task_arena& arena;  // the executor's
+  tbb::task_group drain_tasks;  // this engine's drain tasks, so ~Impl can wait for them
 
   // ---- consumer thread only ----
   std::vector<moodycamel::ProducerToken> producer_tokens;  // by lane
@@ -747,8 +793,8 @@ struct Engine::Impl {
   uint64_t released = 0;
 };
 
-Engine::Engine(const EngineConfig& config, TaskRunner& runner)
-    : impl_(std::make_unique<Impl>(config, runner)) {}
+Engine::Engine(const EngineConfig& config, TaskRunner& runner, std::shared_ptr<Executor> executor)
+    : impl_(std::make_unique<Impl>(config, runner, std::move(executor))) {}
 Engine::~Engine() = default;
 
 void Engine::begin_pass() { impl_->begin_pass(); }

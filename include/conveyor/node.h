@@ -100,13 +100,21 @@ struct NodeMetrics {
 std::string metrics_table(const std::vector<NodeMetrics>& nodes);
 
 namespace detail {
+class Executor;  // detail/engine.h
+
 // Filled in while a reset walks the graph from the sink up: ids are handed
 // out in that walk's order (the same for the same graph shape), and the
 // first shardable node to see `sharded == false` applies the shard.
 struct ResetWalk {
   uint64_t next_id = 0;
   bool sharded = false;
+  // The threads the graph's parallel nodes share (one arena per graph):
+  // made when the first of them asks (walk_executor), held by each.
+  std::shared_ptr<Executor> executor;
 };
+
+// The walk's executor, made on first use.
+std::shared_ptr<Executor> walk_executor(ResetWalk& walk);
 }  // namespace detail
 
 // The seed of item `position` of node `node_id` in a pass: independent of

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "conveyor/detail/engine.h"
 #include "conveyor/detail/seeds.h"
 
 namespace conveyor {
@@ -22,6 +23,11 @@ void ShardSpec::validate() const {
     throw ValueError("ShardSpec: worker should be in [0, " + std::to_string(num_workers - 1) + "], but got " +
                      std::to_string(worker));
   }
+}
+
+std::shared_ptr<detail::Executor> detail::walk_executor(ResetWalk& walk) {
+  if (!walk.executor) walk.executor = std::make_shared<Executor>();
+  return walk.executor;
 }
 
 uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position) noexcept {

@@ -266,6 +266,30 @@ TEST(Engine, WorkStealingRunsJobsOnAnyWorkerInSubmissionOrder) {
   for (size_t i = 0; i < total; ++i) EXPECT_EQ(got[i], i);
 }
 
+TEST(Executor, EnginesShareItsArenaAndItRefusesReservationsOnceStarted) {
+  auto executor = std::make_shared<conveyor::detail::Executor>();
+  ASSERT_TRUE(executor->reserve(2));
+  ASSERT_TRUE(executor->reserve(1));
+  GatedRunner runner_a(4, 4), runner_b(4, 4);
+  Engine a(config(2, 4, true), runner_a, executor);
+  EXPECT_FALSE(executor->reserve(1));  // the arena started with the first engine
+  EXPECT_EQ(executor->reserved(), 3u);
+  Engine b(config(1, 4, true), runner_b, executor);
+  a.begin_pass();
+  b.begin_pass();
+  for (int k = 0; k < 4; ++k) {
+    a.submit(k % 2);
+    b.submit(0);
+  }
+  // All three lanes are inside a job at once: the arena holds them all.
+  runner_a.entered.wait_for(2);
+  runner_b.entered.wait_for(1);
+  runner_a.gates.open_all();
+  runner_b.gates.open_all();
+  EXPECT_EQ(collect(a, runner_a, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(collect(b, runner_b, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
+}
+
 TEST(Seeds, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {
   using conveyor::detail::work_stealing_seed;
   EXPECT_EQ(work_stealing_seed(5, 1, 9), work_stealing_seed(5, 1, 9));

@@ -3,6 +3,7 @@
 // early, and a seeded property test over random pipelines with random delays
 // and failures.
 #include <gtest/gtest.h>
+#include <oneapi/tbb/task_arena.h>
 
 #include <conveyor/conveyor.h>
 #include <conveyor/nodes.h>
@@ -10,6 +11,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -175,6 +178,33 @@ TEST(Prefetch, RunsUpstreamAheadOnItsOwnStrandAndKeepsErrorsInPlace) {
     auto again = pipeline.pass();
     ASSERT_EQ(again.next()->size(), 10u);
   }
+}
+
+TEST(Executor, AGraphsParallelNodesShareOneArenaSizedForAllOfThem) {
+  // Each map records the size of the arena its function runs in: the graph's
+  // one arena holds every parallel node's threads (3 + 1 + 2 + 1), where each
+  // node had an arena of its own (3, 2). A prefetch's strand waits inside the
+  // arena for the map upstream of it, whose workers still find threads.
+  std::mutex mutex;
+  std::set<int> arena_sizes;
+  auto record = [&](int64_t x) {
+    std::lock_guard lock(mutex);
+    arena_sizes.insert(tbb::this_task_arena::max_concurrency());
+    return x;
+  };
+  auto pipeline = nodes::from_range(0, 300) | nodes::map(record, {.workers = 3}) | nodes::prefetch(4) |
+                  nodes::map([&](int64_t x) { return record(x) * 2; }, {.workers = 2}) | nodes::prefetch(2);
+  std::vector<int64_t> expected;
+  for (int64_t x = 0; x < 300; ++x) expected.push_back(x * 2);
+  for (int pass = 0; pass < 3; ++pass) EXPECT_EQ(one_pass(pipeline), expected) << "pass " << pass;
+  EXPECT_EQ(arena_sizes, (std::set<int>{7}));
+
+  // A node reset on its own (no graph walk before it) still has threads.
+  auto alone = std::make_unique<nodes::Prefetch<int64_t>>(nodes::from_range(0, 5).release(), 2);
+  alone->reset(conveyor::PassContext{});
+  int64_t sum = 0;
+  while (auto x = alone->next()) sum += *x;
+  EXPECT_EQ(sum, 10);
 }
 
 // ---- property test ------------------------------------------------------------

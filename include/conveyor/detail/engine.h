@@ -109,10 +109,37 @@ struct EngineStats {
   uint64_t released = 0;
 };
 
+// The threads a graph's engines run on: one oneTBB arena, shared by every
+// engine given this executor (a pipeline's parallel nodes), sized by what
+// they reserved before the first of them started. Lanes cap their tasks at
+// their workers, so with every engine's workers reserved each queued task
+// finds a thread: a strand waiting on a window upstream never starves it.
+class Executor {
+ public:
+  Executor();
+  // Every engine that uses the executor holds it: it goes with the last.
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Adds `threads` to the arena. False once the arena has started (an
+  // engine then gets an arena of its own). Thread-safe.
+  bool reserve(size_t threads);
+  // The threads reserved so far (the arena's size once it starts).
+  size_t reserved() const;
+
+ private:
+  friend class Engine;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 class Engine {
  public:
-  // Starts the arena. `runner` must outlive the engine.
-  Engine(const EngineConfig& config, TaskRunner& runner);
+  // Starts the engine on `executor`, on which the caller reserved
+  // config.num_workers threads, or (nullptr) on an arena of its own.
+  // `runner` must outlive the engine.
+  Engine(const EngineConfig& config, TaskRunner& runner, std::shared_ptr<Executor> executor = nullptr);
   // Cancels queued jobs, waits for running ones and returns. Never throws.
   ~Engine();
   Engine(const Engine&) = delete;

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -60,12 +61,13 @@ class SequencedWindow final : private TaskRunner {
 
   using Taken = WindowTaken<Payload>;
 
-  // Starts the engine's workers; `work` must outlive the window.
-  SequencedWindow(const EngineConfig& config, Work& work)
+  // Starts the engine's workers on `executor` (see Engine); `work` must
+  // outlive the window.
+  SequencedWindow(const EngineConfig& config, Work& work, std::shared_ptr<Executor> executor = nullptr)
       : work_(work),
         inputs_(config.window),
         payloads_(config.window),
-        engine_(std::in_place, config, static_cast<TaskRunner&>(*this)) {}
+        engine_(std::in_place, config, static_cast<TaskRunner&>(*this), std::move(executor)) {}
   // Stops the workers (cancelling what is queued) before the payloads go.
   ~SequencedWindow() override { engine_.reset(); }
   SequencedWindow(const SequencedWindow&) = delete;

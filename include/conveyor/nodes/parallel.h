@@ -8,8 +8,9 @@
 //        consumer, on a thread of its own (upstream is only ever advanced by
 //        that one thread at a time).
 //
-// Both run on conveyor's engine (a oneTBB arena, moodycamel queues, the
-// sequence-numbered window): memory is bounded by the window, the hand-off
+// Both run on conveyor's engine (moodycamel queues, the sequence-numbered
+// window) in one oneTBB arena per graph, which holds every parallel node's
+// threads (ExecutorShare): memory is bounded by the window, the hand-off
 // takes no mutex, a pass left early cancels what is queued and waits for
 // what runs. Upstream is pulled on the caller's thread (map) or on the
 // node's strand (prefetch), never by two threads at once. An error keeps
@@ -90,6 +91,27 @@ int64_t timed_ns(F&& f) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A parallel node's share of its graph's executor: its threads are reserved
+// at its first reset, when the graph's walk hands the executor round, so
+// that every node's are counted before the first window starts the arena.
+// A node joining after that (a graph reset anew once running) gets an arena
+// of its own.
+class ExecutorShare {
+ public:
+  void join(conveyor::detail::ResetWalk& walk, int threads) {
+    if (joined_) return;
+    joined_ = true;
+    std::shared_ptr<conveyor::detail::Executor> executor = conveyor::detail::walk_executor(walk);
+    if (executor->reserve(static_cast<size_t>(threads))) executor_ = std::move(executor);
+  }
+  // The graph's executor, or nullptr for an arena of the node's own.
+  const std::shared_ptr<conveyor::detail::Executor>& get() const noexcept { return executor_; }
+
+ private:
+  bool joined_ = false;
+  std::shared_ptr<conveyor::detail::Executor> executor_;
+};
+
 inline conveyor::detail::EngineConfig engine_config(int workers, int window, bool in_order, bool strand) {
   conveyor::detail::EngineConfig config;
   config.num_workers = static_cast<size_t>(workers);
@@ -121,6 +143,12 @@ class ParallelMap final
     }
   }
   ~ParallelMap() override { window_.reset(); }  // its workers run f_
+
+  using Node<Out>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    Stage<In, Out>::reset(pass, walk);
+    executor_.join(walk, options_.workers);
+  }
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
@@ -173,7 +201,7 @@ class ParallelMap final
       // serially); the recycling pool's queues cost 11% of W5's CPU.
       item_memory_ = conveyor::detail::make_scalable_heap();
       window_.emplace(detail::engine_config(options_.workers, options_.window, options_.in_order, false),
-                      static_cast<typename Window::Work&>(*this));
+                      static_cast<typename Window::Work&>(*this), executor_.get());
       window_->begin_pass();
     }
     return *window_;
@@ -252,6 +280,7 @@ class ParallelMap final
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts
+  detail::ExecutorShare executor_;
   std::optional<Window> window_;  // last: stopped first
 };
 
@@ -272,6 +301,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     if (window_) window_->cancel();
     // No id of its own: adding or removing a prefetch changes no seed.
     upstream_->reset(pass, walk);
+    executor_.join(walk, 1);
     timed_ = pass.timed;
     ended_ = false;
     done_ = false;
@@ -317,7 +347,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   Window& window() {
     if (!window_) {
       window_.emplace(detail::engine_config(1, depth_, /*in_order=*/true, /*strand=*/true),
-                      static_cast<typename Window::Work&>(*this));
+                      static_cast<typename Window::Work&>(*this), executor_.get());
       window_->begin_pass();
     }
     return *window_;
@@ -370,6 +400,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   detail::Counter<uint64_t> out_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> strand_wait_ns_;  // timed passes: the strand's time in upstream
+  detail::ExecutorShare executor_;
   std::optional<Window> window_;  // last: stopped first
 };
 

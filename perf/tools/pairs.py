@@ -3,6 +3,7 @@
 
     perf/tools/pairs.py BEFORE_DRIVER AFTER_DRIVER [--pairs 8] [--seconds 1]
         [--warmup 0.5] [--config "W0 1" --config "W1 4" ...] [--shards a.tar,b.tar]
+        [--driver-arg=--pipeline --driver-arg=nodes ...]
 
 For each configuration (workload and workers; W5 needs --shards), runs
 before, after, before, after ... --pairs times, each run alone, and prints
@@ -26,6 +27,7 @@ def run(driver, workload, workers, args):
                "--warmup", str(args.warmup)]
     if workload == "W5":
         command += ["--shards", args.shards]
+    command += args.driver_arg or []
     done = subprocess.run(command, capture_output=True, text=True)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -42,6 +44,8 @@ def main():
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--config", action="append", help='"WORKLOAD WORKERS", e.g. "W0 1" (repeatable)')
     parser.add_argument("--shards", default="", help="W5's tar shards, comma-separated")
+    parser.add_argument("--driver-arg", action="append",
+                        help="passed on to both drivers (repeatable), e.g. --driver-arg=--pipeline --driver-arg=nodes")
     parser.add_argument("--limit", type=float, default=3.0, help="percent slower that counts as a regression")
     args = parser.parse_args()
     configs = [c.split() for c in (args.config or DEFAULT_CONFIGS)]

@@ -457,7 +457,7 @@ class SummingWork final : public conveyor::detail::SequencedWindow<std::optional
 TEST(SequencedWindow, InputsStayInTheirSlotsForTheNextJobAndCancelFreesThem) {
   using Window = conveyor::detail::SequencedWindow<std::optional<int>, std::vector<int>>;
   SummingWork work(4);
-  Window window(config(1, 1, true), work);
+  Window window(config(1, 1, true), work, nullptr, conveyor::detail::InputsAfterTake::keep);
   window.begin_pass();
   window.next_input().assign(100, 1);
   const int* storage = window.next_input().data();
@@ -481,6 +481,18 @@ TEST(SequencedWindow, InputsStayInTheirSlotsForTheNextJobAndCancelFreesThem) {
   window.cancel();
   opener.join();
   EXPECT_EQ(window.next_input().capacity(), 0u);
+}
+
+TEST(SequencedWindow, InputsAreFreedWhenTheirResultIsTakenByDefault) {
+  using Window = conveyor::detail::SequencedWindow<std::optional<int>, std::vector<int>>;
+  SummingWork work(1);
+  Window window(config(1, 1, true), work);
+  window.begin_pass();
+  window.next_input().assign(100, 1);
+  window.submit(0);
+  work.gates.open(0);
+  EXPECT_EQ(window.take().payload, std::optional<int>(100));
+  EXPECT_EQ(window.next_input().capacity(), 0u);  // freed by take(), on this thread
 }
 
 TEST(Engine, TimeoutMessagesNameTheirSubjectAndJobs) {

@@ -201,7 +201,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     const bool iterable = plan.kind == DatasetKind::iterable;
     config.per_worker_queues = iterable || plan.scheduling == Scheduling::round_robin;
     config.timeout = plan.timeout;
-    window_.emplace(config, *this);
+    window_.emplace(config, *this, /*executor=*/nullptr, InputsAfterTake::keep);
   }
 
   // The workers stop before the replicas they use go.

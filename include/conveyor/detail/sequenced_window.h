@@ -10,9 +10,10 @@
 // cancelled pass.
 //
 // Memory: `window` inputs and payloads, made once. take() moves a payload out
-// and leaves the slot empty (Payload{}); an input stays in its slot for the
-// next job there to overwrite (a vector keeps its capacity: no allocation
-// once warm). Nothing grows with a slow worker.
+// and leaves the slot empty (Payload{}). An input is freed there too, on the
+// consumer's thread, which made it (InputsAfterTake::free), or stays in its
+// slot for the next job there to overwrite (keep: a vector keeps its
+// capacity, no allocation once warm). Nothing grows with a slow worker.
 // Threads: the consumer owns the window (submit, take, cancel); a job's
 // input and payload belong to the worker running it from submit() until its
 // publication, which happens-before take() (the engine's contract).
@@ -33,6 +34,11 @@ namespace conveyor::detail {
 
 // A window whose jobs need no input of their own.
 struct NoInput {};
+
+// What take() does with a job's input: frees it (what the job left of an
+// item: a map whose function reads its input without moving from it leaves
+// all of it), or keeps it for reuse (a loader's vector of indices).
+enum class InputsAfterTake { free, keep };
 
 // A finished job: its payload and where it came from.
 template <class Payload>
@@ -63,8 +69,10 @@ class SequencedWindow final : private TaskRunner {
 
   // Starts the engine's workers on `executor` (see Engine); `work` must
   // outlive the window.
-  SequencedWindow(const EngineConfig& config, Work& work, std::shared_ptr<Executor> executor = nullptr)
+  SequencedWindow(const EngineConfig& config, Work& work, std::shared_ptr<Executor> executor = nullptr,
+                  InputsAfterTake inputs_after_take = InputsAfterTake::free)
       : work_(work),
+        inputs_after_take_(inputs_after_take),
         inputs_(config.window),
         payloads_(config.window),
         engine_(std::in_place, config, static_cast<TaskRunner&>(*this), std::move(executor)) {}
@@ -113,6 +121,7 @@ class SequencedWindow final : private TaskRunner {
   Taken take_slot(const ReadyJob& ready) {
     Taken taken{std::move(payloads_[ready.slot]), ready.index, ready.lane};
     payloads_[ready.slot] = Payload{};
+    if (inputs_after_take_ == InputsAfterTake::free) inputs_[ready.slot] = Input{};
     engine_->release(ready);
     return taken;
   }
@@ -128,6 +137,7 @@ class SequencedWindow final : private TaskRunner {
   }
 
   Work& work_;
+  const InputsAfterTake inputs_after_take_;
   std::vector<Input> inputs_;      // by slot
   std::vector<Payload> payloads_;  // by slot
   std::optional<Engine> engine_;   // last: stopped first

@@ -225,8 +225,9 @@ class ParallelMap final
         upstream_done_ = true;
         return;
       }
-      // The input stays in its slot after the worker moved from it, until the
-      // next item there replaces it here: on this thread, which made it.
+      // What f leaves of the input is freed when its result is taken, on
+      // this thread, which made it (glibc's per-thread cache takes it back
+      // cheaply; a batch of samples f only reads is all of it).
       window().next_input().emplace(std::move(*item));
       window().next_payload().position = this->position();
       window().submit();

@@ -74,7 +74,7 @@ struct PassContext {
   uint64_t epoch = 0;
   uint64_t seed = 0;  // the pipeline's base seed
   ShardSpec shard;
-  bool timed = false;  // nodes time themselves for metrics (two clock reads per item each)
+  bool timed = false;  // nodes time themselves for metrics (two or three clock reads per item each)
   // Where collate nodes allocate their batches: the pinned pool of a
   // pin_memory downstream of them; nullptr for the heap.
   BufferAllocator* batch_memory = nullptr;
@@ -88,9 +88,13 @@ struct NodeMetrics {
   uint64_t items_out = 0;  // handed downstream
   uint64_t skipped = 0;    // dropped under OnError::skip
   // With timed passes: time in the node itself (a parallel node's workers
-  // summed), and time it waited for its upstream.
+  // summed), time it waited for its upstream, and time it waited for its
+  // downstream: from handing an item out to being asked for the next (the
+  // consumer's own time; a parallel node works on through it until its
+  // window is full, a serial one is idle).
   double busy_seconds = 0;
   double upstream_wait_seconds = 0;
+  double downstream_wait_seconds = 0;
   // Parallel nodes: the window, and how full it was when the consumer asked.
   size_t window = 0;
   double mean_in_flight = 0;

@@ -42,13 +42,15 @@ std::string metrics_table(const std::vector<NodeMetrics>& nodes) {
   const int width = static_cast<int>(name_width);
   std::string table;
   char line[512];
-  std::snprintf(line, sizeof line, "%-*s %12s %12s %9s %10s %10s %7s %9s\n", width, "node", "items in", "items out",
-                "skipped", "busy s", "waited s", "window", "in flight");
+  // Waits: for upstream's items, and for downstream to ask (see NodeMetrics).
+  std::snprintf(line, sizeof line, "%-*s %12s %12s %9s %10s %11s %11s %7s %9s\n", width, "node", "items in",
+                "items out", "skipped", "busy s", "up wait s", "down wait s", "window", "in flight");
   table += line;
   for (const NodeMetrics& node : nodes) {
-    std::snprintf(line, sizeof line, "%-*s %12llu %12llu %9llu %10.3f %10.3f", width, node.name.c_str(),
+    std::snprintf(line, sizeof line, "%-*s %12llu %12llu %9llu %10.3f %11.3f %11.3f", width, node.name.c_str(),
                   static_cast<unsigned long long>(node.items_in), static_cast<unsigned long long>(node.items_out),
-                  static_cast<unsigned long long>(node.skipped), node.busy_seconds, node.upstream_wait_seconds);
+                  static_cast<unsigned long long>(node.skipped), node.busy_seconds, node.upstream_wait_seconds,
+                  node.downstream_wait_seconds);
     table += line;
     if (node.window > 0) {
       std::snprintf(line, sizeof line, " %7zu %9.2f", node.window, node.mean_in_flight);

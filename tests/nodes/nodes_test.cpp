@@ -323,4 +323,39 @@ TEST(Metrics, ATimedPassPutsTheTimeInTheNodeThatSpentIt) {
   EXPECT_GE(metrics[1].upstream_wait_seconds, 0.0);
 }
 
+TEST(Metrics, ATimedPassPutsTheConsumersTimeInEachNodesDownstreamWait) {
+  // The consumer spins between items: the last node waited at least that
+  // long for it to ask, and serially so did every node before it (each
+  // asks only when asked). A prefetch is the last node in the second run.
+  constexpr int64_t kItems = 20;
+  constexpr uint64_t kSpinNs = 2'000'000;
+  for (const bool prefetched : {false, true}) {
+    SCOPED_TRACE(prefetched ? "behind a prefetch" : "serial");
+    auto serial = nodes::from_range(0, kItems) | nodes::map([](int64_t x) { return x + 1; });
+    auto pipeline = prefetched ? std::move(serial) | nodes::prefetch(4) : std::move(serial);
+    pipeline.timed();
+    auto pass = pipeline.pass();
+    int64_t items = 0;
+    while (pass.next()) {
+      ++items;
+      conveyor::testing::spin_delay(kSpinNs);
+    }
+    ASSERT_EQ(items, kItems);
+    const auto metrics = pipeline.metrics();
+    ASSERT_EQ(metrics.size(), prefetched ? 3u : 2u);
+    // One spin after each item, before the next call (the last call ends
+    // the pass).
+    const double spun = static_cast<double>(kItems * kSpinNs) * 1e-9;
+    EXPECT_GE(metrics.back().downstream_wait_seconds, spun) << conveyor::metrics_table(metrics);
+    if (!prefetched) {
+      // Serially the whole chain idles while the consumer works.
+      EXPECT_GE(metrics[0].downstream_wait_seconds, spun) << conveyor::metrics_table(metrics);
+    }
+  }
+  // An untimed pass reads no clock.
+  auto untimed = nodes::from_range(0, 5) | nodes::prefetch(2);
+  EXPECT_EQ(one_pass(untimed).size(), 5u);
+  for (const auto& m : untimed.metrics()) EXPECT_EQ(m.downstream_wait_seconds, 0.0) << m.name;
+}
+
 }  // namespace

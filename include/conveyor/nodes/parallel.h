@@ -309,12 +309,22 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     out_.clear();
     occupancy_.clear();
     strand_wait_ns_.clear();
+    downstream_ns_.clear();
+    handed_out_at_ = {};
   }
   std::optional<T> next() override {
+    if (timed_ && handed_out_at_ != std::chrono::steady_clock::time_point{}) {
+      downstream_ns_.add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - handed_out_at_)
+              .count());
+    }
     std::optional<T> out;
     while (!done_) {
       fill();
-      if (take(window().take(), out)) return out;
+      if (take(window().take(), out)) {
+        if (timed_) handed_out_at_ = std::chrono::steady_clock::now();
+        return out;
+      }
     }
     return std::nullopt;
   }
@@ -337,6 +347,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     mine.name = name();
     mine.items_in = mine.items_out = out_.get();
     mine.upstream_wait_seconds = static_cast<double>(strand_wait_ns_.get()) * 1e-9;
+    mine.downstream_wait_seconds = static_cast<double>(downstream_ns_.get()) * 1e-9;
     mine.window = static_cast<size_t>(depth_);
     mine.mean_in_flight = occupancy_.mean();
     metrics.push_back(std::move(mine));
@@ -401,6 +412,8 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   detail::Counter<uint64_t> out_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> strand_wait_ns_;  // timed passes: the strand's time in upstream
+  detail::Counter<int64_t> downstream_ns_;   // timed passes: between an item out and the next call
+  std::chrono::steady_clock::time_point handed_out_at_{};  // the consumer's
   detail::ExecutorShare executor_;
   std::optional<Window> window_;  // last: stopped first
 };

@@ -41,6 +41,10 @@ struct Meter {
   Counter<uint64_t> skipped;    // items dropped under OnError::skip this pass
   Counter<int64_t> elapsed_ns;  // in next(), waits included
   Counter<int64_t> wait_ns;     // of that, in upstream's next()
+  Counter<int64_t> downstream_ns;  // between handing an item out and the next call
+  // When next() last returned an item this pass (timed passes; the thread
+  // advancing the node only). Zero before the first.
+  std::chrono::steady_clock::time_point handed_out_at{};
 
   void start_pass(bool timed_pass) noexcept {
     timed = timed_pass;
@@ -49,16 +53,20 @@ struct Meter {
     skipped.clear();
     elapsed_ns.clear();
     wait_ns.clear();
+    downstream_ns.clear();
+    handed_out_at = {};
   }
 
   // Adds the time from construction to destruction to `total`, whether the
-  // timed call returns or throws.
+  // timed call returns or throws; with `end`, keeps the time it ended there.
   struct Clock {
     Counter<int64_t>& total;
+    std::chrono::steady_clock::time_point* end = nullptr;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     ~Clock() {
-      total.add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                    .count());
+      const auto now = std::chrono::steady_clock::now();
+      total.add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - start).count());
+      if (end) *end = now;
     }
   };
 
@@ -70,7 +78,11 @@ struct Meter {
       if (item) out.add(1);
       return item;
     }
-    Clock clock{elapsed_ns};
+    const auto last_out = handed_out_at;
+    Clock clock{elapsed_ns, &handed_out_at};  // its start is when the consumer came back
+    if (last_out != std::chrono::steady_clock::time_point{}) {
+      downstream_ns.add(std::chrono::duration_cast<std::chrono::nanoseconds>(clock.start - last_out).count());
+    }
     auto item = produce();
     if (item) out.add(1);
     return item;
@@ -96,6 +108,7 @@ struct Meter {
     const int64_t waited = wait_ns.get();
     metrics.busy_seconds = static_cast<double>(std::max<int64_t>(0, elapsed_ns.get() - waited)) * 1e-9;
     metrics.upstream_wait_seconds = static_cast<double>(waited) * 1e-9;
+    metrics.downstream_wait_seconds = static_cast<double>(downstream_ns.get()) * 1e-9;
   }
 };
 

@@ -223,16 +223,17 @@ size_t tbb_worker_limit(size_t parallelism_at_start) {
 std::string thread_limit_warning(size_t workers_wanted, size_t parallelism_in_force,
                                  size_t tbb_worker_limit) {
   const std::string wanted = std::to_string(workers_wanted);
+  // Every live engine reserves its threads: loaders' pools and pipelines' nodes.
+  const std::string who = " conveyor worker threads (DataLoader workers and pipeline nodes together)";
   if (parallelism_in_force < workers_wanted + 1) {
     return "TBB's max_allowed_parallelism is held at " + std::to_string(parallelism_in_force) +
            " by another tbb::global_control in this process, below the " + wanted +
-           " DataLoader worker threads that want to run at once; workers beyond " +
+           who + " that want to run at once; workers beyond " +
            std::to_string(parallelism_in_force == 0 ? 0 : parallelism_in_force - 1) +
            " will wait for a thread";
   }
   if (workers_wanted > tbb_worker_limit) {
-    return std::to_string(workers_wanted) +
-           " DataLoader worker threads want to run at once, but oneTBB starts at most " +
+    return wanted + who + " want to run at once, but oneTBB starts at most " +
            std::to_string(tbb_worker_limit) +
            " worker threads in a process (its own limit: the larger of 256 and 4 per core, or "
            "the limit in force when TBB started); workers beyond that wait for a thread";

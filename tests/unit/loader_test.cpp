@@ -286,6 +286,10 @@ TEST(Loader, TheThreadLimitWarningNamesWhoHoldsTheLimit) {
   EXPECT_EQ(thread_limit_warning(8, 9, 256), "");
   const std::string held = thread_limit_warning(8, 4, 256);
   EXPECT_NE(held.find("held at 4 by another tbb::global_control"), std::string::npos) << held;
+  // Pipeline nodes reserve threads too: the message does not blame the loader alone.
+  EXPECT_NE(held.find("8 conveyor worker threads (DataLoader workers and pipeline nodes together)"),
+            std::string::npos)
+      << held;
   // Above oneTBB's own worker limit no global_control is to blame.
   const std::string own = thread_limit_warning(300, 301, 256);
   EXPECT_EQ(own.find("global_control"), std::string::npos) << own;

@@ -45,6 +45,7 @@
 #include "conveyor/node.h"
 #include "conveyor/options.h"
 #include "conveyor/sampler.h"
+#include "conveyor/state.h"
 #include "conveyor/warnings.h"
 
 namespace conveyor {
@@ -84,8 +85,21 @@ class DataLoader {
         int64_t& total;
         ~CountWait() { total += detail::nanoseconds_since(asked); }
       } count_wait{asked, wait_ns_};
-      std::optional<batch_type> batch = source_->next();
-      if (batch) note_yielded();
+      std::optional<batch_type> batch;
+      try {
+        batch = source_->next();
+      } catch (const TimeoutError&) {
+        throw;  // no batch was received: the next call waits for the same one
+      } catch (...) {
+        progress_->commit_received();  // a failed batch is received in its place
+        throw;
+      }
+      if (batch) {
+        progress_->commit_received();
+        note_yielded();
+      } else {
+        progress_->ended = true;
+      }
       return batch;
     }
 
@@ -114,8 +128,10 @@ class DataLoader {
     Epoch& operator=(Epoch&& other) noexcept {
       if (this != &other) {
         keep_metrics();
+        end_progress();
         core_ = std::move(other.core_);
         base_seed_ = other.base_seed_;
+        progress_ = std::move(other.progress_);
         source_ = std::move(other.source_);
         transfer_ = std::exchange(other.transfer_, nullptr);
         started_ = other.started_;
@@ -125,8 +141,12 @@ class DataLoader {
       return *this;
     }
     // Stops the epoch's workers (see WorkerLanes) and leaves its metrics
-    // with the loader: DataLoader::last_metrics().
-    ~Epoch() { keep_metrics(); }
+    // with the loader: DataLoader::last_metrics(). The loader's next state
+    // starts the next epoch.
+    ~Epoch() {
+      keep_metrics();
+      end_progress();
+    }
 
     // With prefetch_to_device: the device copy of the batch next() returned
     // last (its buffers in transfer_traits order and its ready event). Empty
@@ -141,8 +161,8 @@ class DataLoader {
     // Builds the epoch's graph on `source` (fetch+collate) and starts its
     // pass, whose seed is the epoch's base seed.
     Epoch(std::shared_ptr<Core> core, int64_t base_seed, uint64_t epoch,
-          std::unique_ptr<detail::LoaderNode<batch_type>> source)
-        : core_(std::move(core)), base_seed_(base_seed), source_(std::move(source)) {
+          std::unique_ptr<detail::LoaderNode<batch_type>> source, std::shared_ptr<detail::EpochProgress> progress)
+        : core_(std::move(core)), base_seed_(base_seed), progress_(std::move(progress)), source_(std::move(source)) {
       if (core_->plan.prefetch_to_device > 0) {
         auto stage = std::make_unique<detail::TransferStage<batch_type>>(
             std::move(source_), core_->plan.transfer_device, core_->plan.prefetch_to_device);
@@ -153,6 +173,10 @@ class DataLoader {
       pass.epoch = epoch;
       pass.seed = static_cast<uint64_t>(base_seed);
       source_->reset(pass);
+    }
+
+    void end_progress() noexcept {
+      if (progress_) progress_->live = false;
     }
 
     void keep_metrics() noexcept {
@@ -186,6 +210,7 @@ class DataLoader {
 
     std::shared_ptr<Core> core_;
     int64_t base_seed_;
+    std::shared_ptr<detail::EpochProgress> progress_;  // what the consumer has received
     std::unique_ptr<detail::LoaderNode<batch_type>> source_;  // the graph's last node
     detail::TransferStage<batch_type>* transfer_ = nullptr;    // within source_, if any
     std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
@@ -238,6 +263,15 @@ class DataLoader {
   // time (RuntimeError otherwise); without, each epoch has its own workers.
   Epoch iter() {
     Core& core = *core_;
+    if (core.pending_resume && core.pending_resume->epoch != core.epoch) {
+      throw StateError("this DataLoader resumes epoch " + std::to_string(core.pending_resume->epoch) +
+                       " (load_state_dict), but set_epoch(" + std::to_string(core.epoch) +
+                       ") asked for another: call set_epoch(" + std::to_string(core.pending_resume->epoch) +
+                       "), or load the state again");
+    }
+    // Where the epoch starts: a state taken during it replays from here.
+    auto progress = std::make_shared<detail::EpochProgress>();
+    progress->start = epoch_start();
     // The base seed comes first, before the sampler draws (PyTorch's order);
     // persistent workers draw it once, at their first epoch.
     int64_t base_seed = 0;
@@ -248,8 +282,20 @@ class DataLoader {
       base_seed = draw_seed(generator);
       if (core.plan.persistent_workers) core.persistent_base_seed = base_seed;
     }
+    if (core.pending_resume) {
+      std::optional<detail::LoaderResume> resume = std::exchange(core.pending_resume, std::nullopt);
+      if (resume->base_seed && *resume->base_seed != base_seed) {
+        throw StateError("load_state_dict: the resumed epoch drew base seed " + std::to_string(base_seed) +
+                         " where the saved one drew " + std::to_string(*resume->base_seed) +
+                         ": the loader's generator was drawn from between load_state_dict() and iter()");
+      }
+      core.resume = std::move(resume);
+    }
     const uint64_t epoch = core.epoch++;
-    return Epoch(core_, base_seed, epoch, make_source());
+    progress->epoch = epoch;
+    progress->base_seed = base_seed;
+    core.progress = progress;
+    return Epoch(core_, base_seed, epoch, make_source(), std::move(progress));
   }
   iterator begin() { return iterator(iter()); }
   std::default_sentinel_t end() const noexcept { return {}; }
@@ -280,6 +326,111 @@ class DataLoader {
     core_->epoch = epoch;
     if (core_->plan.index_sampler) core_->plan.index_sampler->set_epoch(epoch);
     if constexpr (requires(D& d) { d.set_epoch(epoch); }) core_->dataset->set_epoch(epoch);
+  }
+
+  // ---- checkpoints -------------------------------------------------------
+  //
+  // state_dict(): where the loader stands, as its consumer has received it
+  // (never what is prefetched): in the middle of the epoch started last,
+  // after the batches next() has returned (failed ones included), or, with
+  // no epoch going on, before the next. load_state_dict() into a loader
+  // built the same way (a new process, say) makes its next epoch hand out
+  // exactly the batches the saved one had not, then the epochs after it, bit
+  // for bit. It replays, it does not store: the epoch restarts from its
+  // generators as they were when it began, draws the received batches from
+  // the sampler again without fetching them, and under round_robin puts each
+  // worker's generator where it stood after its last received batch.
+  //
+  // The state holds the loader's generators (its own, or the process's
+  // default_generator() when it has none and when a sampler draws from it),
+  // the sampler's state (Sampler::state()), counts, and a fingerprint of what
+  // must match: the dataset's type and size, the sampler and its parameters,
+  // batching, the schedule, and under round_robin (iterable datasets always)
+  // the number of workers. A different num_workers resumes under
+  // work_stealing; round_robin refuses it, saying why.
+  //
+  // What it cannot see: draws from the loader's generator outside the loader
+  // (give the loader a seed), and a dataset's own state (set_epoch() is
+  // yours to call as before; an iterable dataset's replicas are made anew
+  // and passed over with SampleIterator::skip()).
+  State state_dict() const {
+    const Core& core = *core_;
+    State state = state_envelope("conveyor.DataLoader", fingerprint());
+    const detail::EpochProgress* progress = core.progress.get();
+    if (progress && progress->live && !progress->ended) {
+      state.set("next_epoch", progress->epoch);
+      state.set("start", progress->start);
+      State epoch = detail::position_to_state(progress->position);
+      epoch.set("epoch", progress->epoch);
+      epoch.set("base_seed", progress->base_seed);
+      // In the consumer's thread with nothing copied ahead, the process
+      // generator as it is now: the consumer's own draws between batches
+      // included.
+      if (core.plan.num_workers == 0 && core.plan.scheduling == Scheduling::round_robin &&
+          core.plan.prefetch_to_device == 0 && !progress->seek_pending) {
+        State now = State::array();
+        now.push_back(detail::generator_to_state(checked_position(default_generator(), "the process's")));
+        epoch.set("generators", std::move(now));
+      }
+      state.set("epoch", std::move(epoch));
+    } else {
+      state.set("next_epoch", core.epoch);
+      state.set("start", epoch_start());
+      // Persistent round_robin workers carry their generators into the next
+      // epoch: where each stands now (the pool is idle between epochs).
+      if (core.persistent_pool && core.plan.scheduling == Scheduling::round_robin) {
+        State workers = State::array();
+        for (const auto& position : core.persistent_pool->generator_positions()) {
+          workers.push_back(detail::generator_to_state(checked_position_of(position, "a worker's")));
+        }
+        state.set("workers", std::move(workers));
+      }
+    }
+    return state;
+  }
+
+  // Loads a state_dict() into this loader, whose next iter() then resumes
+  // it. Throws StateError when the state is not a DataLoader's, is of
+  // another version, or its fingerprint differs (naming the field), and
+  // RuntimeError while an epoch of this loader is live.
+  void load_state_dict(const State& state) {
+    Core& core = *core_;
+    if (core.progress && core.progress->live && !core.progress->ended) {
+      throw RuntimeError("load_state_dict: an epoch of this DataLoader is still live; finish or destroy it first");
+    }
+    refuse_other_worker_count(state);
+    check_state_envelope(state, "conveyor.DataLoader", fingerprint(), "load_state_dict");
+    const uint64_t next_epoch = state.uint_at("next_epoch");
+    const State& start = state.at("start");
+    std::optional<detail::LoaderResume> resume;
+    if (const State* epoch = state.find("epoch")) {
+      resume.emplace();
+      resume->position = detail::epoch_position_from_state(*epoch);
+      resume->base_seed = epoch->int_at("base_seed");
+      check_resume(resume->position);
+    } else if (const State* workers = state.find("workers")) {
+      resume.emplace();
+      for (const State& position : workers->items()) {
+        resume->position.generators.push_back(detail::generator_from_state(position));
+      }
+      if (resume->position.generators.size() != core.plan.num_workers) {
+        throw StateError("load_state_dict: the state holds " + std::to_string(resume->position.generators.size()) +
+                         " workers' generators for a loader with num_workers=" + std::to_string(core.plan.num_workers));
+      }
+    }
+    // Everything is read: now change the loader.
+    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), start.string_at("generator"));
+    if (const State* process = start.find("process_generator")) {
+      restore_generator(default_generator(), process->as_string("process_generator"));
+    }
+    if (core.plan.index_sampler) core.plan.index_sampler->load_state(start.at("sampler"));
+    const State& persistent = start.at("persistent_base_seed");
+    core.persistent_base_seed =
+        persistent.is_null() ? std::nullopt : std::optional<int64_t>(persistent.as_int("persistent_base_seed"));
+    core.epoch = next_epoch;
+    if (resume) resume->epoch = next_epoch;
+    core.pending_resume = std::move(resume);
+    core.progress.reset();
   }
 
   // What the last epoch spent where, once it has ended or been dropped (a
@@ -334,6 +485,107 @@ class DataLoader {
     }
     using Lanes = detail::InlineLanes<D, C>;
     return std::make_unique<detail::LoaderBatches<D, C, Lanes>>(core_, std::make_unique<Lanes>(core_));
+  }
+
+  // ---- checkpoints ----
+
+  // What a state must match to be loaded here.
+  State fingerprint() const {
+    const Core& core = *core_;
+    const detail::LoaderPlan& plan = core.plan;
+    State out = State::object();
+    out.set("dataset", detail::type_name(typeid(D)));
+    out.set("auto_collation", plan.auto_collation);
+    if constexpr (MapStyleDataset<D>) {
+      out.set("dataset_size", static_cast<uint64_t>(core.dataset->size()));
+      out.set("sampler", plan.index_sampler->fingerprint());
+    } else {
+      out.set("batch_size", static_cast<uint64_t>(plan.batch_size));
+      out.set("drop_last", plan.drop_last);
+    }
+    const bool round_robin = plan.scheduling == Scheduling::round_robin;
+    out.set("scheduling", round_robin ? "round_robin" : "work_stealing");
+    // round_robin's draws depend on which worker makes a batch, and an
+    // iterable dataset's split on how many replicas there are.
+    if (round_robin) out.set("num_workers", static_cast<uint64_t>(plan.num_workers));
+    // Persistent workers draw one base seed for all epochs.
+    out.set("persistent_workers", plan.persistent_workers);
+    return out;
+  }
+
+  // The generators and sampler as an epoch starts from them.
+  State epoch_start() const {
+    const Core& core = *core_;
+    State start = State::object();
+    start.set("generator", generator_text(core.plan.generator ? *core.plan.generator : default_generator()));
+    const bool sampler_draws_process =
+        core.plan.index_sampler && core.plan.index_sampler->draws_from_default_generator();
+    if (core.plan.generator && sampler_draws_process) start.set("process_generator", generator_text(default_generator()));
+    if (core.plan.index_sampler) start.set("sampler", core.plan.index_sampler->state());
+    start.set("persistent_base_seed",
+              core.persistent_base_seed ? State(*core.persistent_base_seed) : State());
+    return start;
+  }
+
+  static std::string generator_text(const Generator& generator) {
+    const std::vector<uint8_t> bytes = generator.get_state();
+    return std::string(bytes.begin(), bytes.end());
+  }
+  static void restore_generator(Generator& generator, const std::string& text) {
+    generator.set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  }
+  static GeneratorPosition checked_position_of(const std::optional<GeneratorPosition>& position, const char* whose) {
+    if (!position) {
+      throw RuntimeError(std::string("state_dict: ") + whose +
+                         " generator does not count its draws (a torch::Generator's engine?), so its "
+                         "place cannot be saved; use conveyor's own Generator");
+    }
+    return *position;
+  }
+  static GeneratorPosition checked_position(const Generator& generator, const char* whose) {
+    return checked_position_of(generator.position(), whose);
+  }
+
+  // round_robin (and iterable datasets) cannot resume with another number
+  // of workers: say why, before the fingerprint's plainer message.
+  void refuse_other_worker_count(const State& state) const {
+    const State* saved = state.find("fingerprint");
+    if (!saved || !saved->is_object()) return;
+    const State* workers = saved->find("num_workers");
+    const detail::LoaderPlan& plan = core_->plan;
+    if (!workers || plan.scheduling != Scheduling::round_robin) return;
+    const uint64_t saved_workers = workers->as_uint("num_workers");
+    if (saved_workers == plan.num_workers) return;
+    const std::string counts = "the state was saved with num_workers=" + std::to_string(saved_workers) +
+                               " and this loader has num_workers=" + std::to_string(plan.num_workers);
+    if (plan.kind == detail::DatasetKind::iterable) {
+      throw StateError("load_state_dict: " + counts +
+                       ". An iterable dataset is split among its workers' replicas (each reads its own "
+                       "part), so another count reads other parts: resume with num_workers=" +
+                       std::to_string(saved_workers));
+    }
+    throw StateError("load_state_dict: " + counts +
+                     ". Under round_robin batch k is made by worker k % num_workers, drawing from that "
+                     "worker's generator, so another count changes the draws inside the dataset: resume "
+                     "with num_workers=" +
+                     std::to_string(saved_workers) +
+                     ", or train under Scheduling::work_stealing, whose batches draw from their own seeds "
+                     "and resume with any num_workers");
+  }
+
+  void check_resume(const detail::EpochPosition& position) const {
+    const detail::LoaderPlan& plan = core_->plan;
+    const bool iterable = plan.kind == detail::DatasetKind::iterable;
+    const size_t lanes = plan.num_workers == 0 ? 1 : plan.num_workers;
+    if (iterable != !position.lanes.empty() || (iterable && position.lanes.size() != lanes)) {
+      throw StateError("load_state_dict: the state's epoch was saved with " + std::to_string(position.lanes.size()) +
+                       " replicas, this loader has " + std::to_string(iterable ? lanes : 0));
+    }
+    const size_t generators = plan.scheduling == Scheduling::round_robin ? lanes : 0;
+    if (position.generators.size() > generators) {
+      throw StateError("load_state_dict: the state's epoch holds " + std::to_string(position.generators.size()) +
+                       " worker generators, this loader has " + std::to_string(generators));
+    }
   }
 
   LoaderOptions options_;

@@ -12,6 +12,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -52,6 +53,15 @@ class SampleIterator {
  public:
   virtual ~SampleIterator() = default;
   virtual std::optional<T> next() = 0;
+  // Passes over up to `count` samples and returns how many there were. A
+  // loader resuming from a state calls it to get back to where its consumer
+  // was; override it where a sample can be passed over without being made
+  // (a record's header read, its payload not decoded).
+  virtual uint64_t skip(uint64_t count) {
+    uint64_t skipped = 0;
+    while (skipped < count && next()) ++skipped;
+    return skipped;
+  }
 };
 
 // An iterable-style dataset. iter() is called once per worker per epoch with

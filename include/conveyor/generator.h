@@ -17,10 +17,22 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <vector>
 
 namespace conveyor {
+
+// Where a generator's stream stands: its origin (a seed, or a state given to
+// set_state) and the 32-bit outputs drawn since. Two integers and a shared
+// handle: cheap enough to note after every batch, where get_state() writes
+// out the whole engine (MT19937: 624 words as text). A checkpoint keeps it,
+// and seek() brings a generator back to it.
+struct GeneratorPosition {
+  uint64_t seed = 0;
+  std::shared_ptr<const std::vector<uint8_t>> origin;  // set_state's state, else null (the seed)
+  uint64_t draws = 0;
+};
 
 // Where a Generator's bits come from: the built-in MT19937, or (see
 // conveyor/torch.h) a torch::Generator's own engine, so that conveyor's
@@ -35,6 +47,11 @@ class RandomEngine {
   virtual uint64_t initial_seed() const = 0;
   virtual std::vector<uint8_t> get_state() const = 0;
   virtual void set_state(std::span<const uint8_t> state) = 0;
+  // The stream's position, for engines that count their draws (conveyor's
+  // own do; a torch::Generator's engine does not: std::nullopt).
+  virtual std::optional<GeneratorPosition> position() const { return std::nullopt; }
+  // Back to `position`: from its origin, discarding `draws` outputs.
+  virtual void seek(const GeneratorPosition& position);
 };
 
 class Generator {
@@ -61,6 +78,10 @@ class Generator {
   // the engine's own.
   std::vector<uint8_t> get_state() const;
   void set_state(std::span<const uint8_t> state);
+  // See GeneratorPosition: std::nullopt from an engine that does not count
+  // its draws (a torch::Generator's).
+  std::optional<GeneratorPosition> position() const;
+  void seek(const GeneratorPosition& position);
 
   // Two handles are equal when they share one engine.
   friend bool operator==(const Generator& a, const Generator& b) noexcept {

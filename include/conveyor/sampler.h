@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "conveyor/generator.h"
+#include "conveyor/state.h"
 
 namespace conveyor {
 
@@ -38,6 +39,24 @@ class Sampler {
   virtual void set_epoch(uint64_t /*epoch*/) {}
   // The class name, for error messages.
   virtual std::string name() const = 0;
+
+  // Checkpointing (DataLoader::state_dict). state() is what iter() will
+  // depend on beyond the constructor's arguments (a generator of the
+  // sampler's own, its epoch), taken between passes; load_state() puts it
+  // back. A sampler with hidden state of its own overrides both.
+  virtual State state() const { return {}; }
+  virtual void load_state(const State& /*state*/) {}
+  // What must match between the sampler that saved a state and the one that
+  // loads it: its name, size and parameters.
+  virtual State fingerprint() const {
+    State out = State::object();
+    out.set("name", name());
+    out.set("size", static_cast<uint64_t>(size()));
+    return out;
+  }
+  // True when iter() draws from default_generator(): a loader's state then
+  // holds that generator's too.
+  virtual bool draws_from_default_generator() const { return false; }
 };
 
 using BatchIndices = std::vector<size_t>;
@@ -87,6 +106,10 @@ class RandomSampler final : public Sampler<size_t> {
   size_t size() const override { return num_samples(); }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "RandomSampler"; }
+  State state() const override;
+  void load_state(const State& state) override;
+  State fingerprint() const override;
+  bool draws_from_default_generator() const override { return !generator_; }
 
   size_t num_samples() const { return num_samples_ ? *num_samples_ : data_size_(); }
   size_t data_size() const { return data_size_(); }
@@ -107,6 +130,9 @@ class SubsetRandomSampler final : public Sampler<size_t> {
   size_t size() const override { return indices_.size(); }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "SubsetRandomSampler"; }
+  State state() const override;
+  void load_state(const State& state) override;
+  bool draws_from_default_generator() const override { return !generator_; }
 
  private:
   std::vector<size_t> indices_;
@@ -123,6 +149,10 @@ class WeightedRandomSampler final : public Sampler<size_t> {
   size_t size() const override { return num_samples_; }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "WeightedRandomSampler"; }
+  State state() const override;
+  void load_state(const State& state) override;
+  State fingerprint() const override;
+  bool draws_from_default_generator() const override { return !generator_; }
 
  private:
   std::vector<double> weights_;
@@ -141,6 +171,10 @@ class BatchSampler final : public Sampler<BatchIndices> {
   std::unique_ptr<SamplerIterator<BatchIndices>> iter() override;
   void set_epoch(uint64_t epoch) override { sampler_->set_epoch(epoch); }
   std::string name() const override { return "BatchSampler"; }
+  State state() const override { return sampler_->state(); }
+  void load_state(const State& state) override { sampler_->load_state(state); }
+  State fingerprint() const override;
+  bool draws_from_default_generator() const override { return sampler_->draws_from_default_generator(); }
 
   const std::shared_ptr<Sampler<size_t>>& sampler() const { return sampler_; }
   size_t batch_size() const { return batch_size_; }
@@ -164,6 +198,9 @@ class DistributedSampler final : public Sampler<size_t> {
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   void set_epoch(uint64_t epoch) override { epoch_ = epoch; }
   std::string name() const override { return "DistributedSampler"; }
+  State state() const override;
+  void load_state(const State& state) override;
+  State fingerprint() const override;
 
   size_t total_size() const { return num_samples_ * num_replicas_; }
 

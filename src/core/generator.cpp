@@ -27,10 +27,25 @@ class Mt19937Engine final : public RandomEngine {
  public:
   explicit Mt19937Engine(uint64_t seed) { Mt19937Engine::seed(seed); }
   std::mutex& mutex() override { return mutex_; }
-  uint32_t next32() override { return static_cast<uint32_t>(engine_()); }
+  uint32_t next32() override {
+    ++draws_;
+    return static_cast<uint32_t>(engine_());
+  }
   void seed(uint64_t seed) override {
     seed_ = seed;
+    origin_.reset();
+    draws_ = 0;
     engine_.seed(static_cast<uint32_t>(seed & 0xffffffffULL));  // only the low 32 bits count
+  }
+  std::optional<GeneratorPosition> position() const override { return GeneratorPosition{seed_, origin_, draws_}; }
+  void seek(const GeneratorPosition& position) override {
+    if (position.origin) {
+      set_state(*position.origin);
+    } else {
+      seed(position.seed);
+    }
+    engine_.discard(position.draws);
+    draws_ = position.draws;
   }
   uint64_t initial_seed() const override { return seed_; }
   std::vector<uint8_t> get_state() const override {
@@ -48,12 +63,16 @@ class Mt19937Engine final : public RandomEngine {
     }
     seed_ = seed;
     engine_ = engine;
+    origin_ = std::make_shared<const std::vector<uint8_t>>(state.begin(), state.end());
+    draws_ = 0;
   }
 
  private:
   std::mutex mutex_;
   std::mt19937 engine_;
   uint64_t seed_ = 0;
+  std::shared_ptr<const std::vector<uint8_t>> origin_;  // set by set_state: the stream starts there
+  uint64_t draws_ = 0;                                  // outputs since the seed or origin_
 };
 
 // xoshiro256** (Blackman and Vigna), its four words filled by splitmix64
@@ -115,6 +134,15 @@ class Xoshiro256Engine final : public RandomEngine {
 
 }  // namespace
 
+void RandomEngine::seek(const GeneratorPosition& position) {
+  if (position.origin) {
+    set_state(*position.origin);
+  } else {
+    seed(position.seed);
+  }
+  for (uint64_t i = 0; i < position.draws; ++i) next32();
+}
+
 Generator Generator::for_item(uint64_t seed) { return Generator(std::make_shared<Xoshiro256Engine>(seed)); }
 
 // Holds the engine's lock for a run of draws: one lock per torch op, as in
@@ -167,6 +195,16 @@ std::vector<uint8_t> Generator::get_state() const {
 void Generator::set_state(std::span<const uint8_t> state) {
   std::lock_guard lock(engine_->mutex());
   engine_->set_state(state);
+}
+
+std::optional<GeneratorPosition> Generator::position() const {
+  std::lock_guard lock(engine_->mutex());
+  return engine_->position();
+}
+
+void Generator::seek(const GeneratorPosition& position) {
+  std::lock_guard lock(engine_->mutex());
+  engine_->seek(position);
 }
 
 namespace {

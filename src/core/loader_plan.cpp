@@ -24,6 +24,10 @@ class SingletonBatches final : public Sampler<BatchIndices> {
   size_t size() const override { return sampler_->size(); }
   void set_epoch(uint64_t epoch) override { sampler_->set_epoch(epoch); }
   std::string name() const override { return sampler_->name(); }
+  State state() const override { return sampler_->state(); }
+  void load_state(const State& state) override { sampler_->load_state(state); }
+  State fingerprint() const override { return sampler_->fingerprint(); }
+  bool draws_from_default_generator() const override { return sampler_->draws_from_default_generator(); }
   std::unique_ptr<SamplerIterator<BatchIndices>> iter() override {
     class Iterator final : public SamplerIterator<BatchIndices> {
      public:

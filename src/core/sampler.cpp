@@ -303,4 +303,76 @@ std::unique_ptr<SamplerIterator<size_t>> DistributedSampler::iter() {
   return std::make_unique<VectorIterator>(std::move(mine));
 }
 
+// ---- checkpointing ---------------------------------------------------------
+
+namespace {
+// A sampler's own generator, as text (Generator::get_state's format).
+State generator_state(const std::optional<Generator>& generator) {
+  State out = State::object();
+  if (generator) {
+    const std::vector<uint8_t> bytes = generator->get_state();
+    out.set("generator", std::string(bytes.begin(), bytes.end()));
+  }
+  return out;
+}
+void load_generator_state(std::optional<Generator>& generator, const State& state, const std::string& sampler) {
+  const State* saved = state.find("generator");
+  if (!generator && !saved) return;
+  if (!generator || !saved) {
+    throw StateError("load_state_dict: the " + sampler + " was saved " + (saved ? "with" : "without") +
+                     " a generator of its own, and this one has " + (generator ? "one" : "none"));
+  }
+  const std::string& text = saved->as_string("generator");
+  generator->set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+}  // namespace
+
+State RandomSampler::state() const { return generator_state(generator_); }
+void RandomSampler::load_state(const State& state) { load_generator_state(generator_, state, name()); }
+State RandomSampler::fingerprint() const {
+  State out = Sampler::fingerprint();
+  out.set("replacement", replacement_);
+  out.set("data_size", static_cast<uint64_t>(data_size()));
+  return out;
+}
+
+State SubsetRandomSampler::state() const { return generator_state(generator_); }
+void SubsetRandomSampler::load_state(const State& state) { load_generator_state(generator_, state, name()); }
+
+State WeightedRandomSampler::state() const { return generator_state(generator_); }
+void WeightedRandomSampler::load_state(const State& state) { load_generator_state(generator_, state, name()); }
+State WeightedRandomSampler::fingerprint() const {
+  State out = Sampler::fingerprint();
+  out.set("replacement", replacement_);
+  out.set("categories", static_cast<uint64_t>(weights_.size()));
+  return out;
+}
+
+State BatchSampler::fingerprint() const {
+  State out = State::object();  // the parameters first: a mismatch names the cause, not the size it makes
+  out.set("name", name());
+  out.set("batch_size", static_cast<uint64_t>(batch_size_));
+  out.set("drop_last", drop_last_);
+  out.set("sampler", sampler_->fingerprint());
+  out.set("size", static_cast<uint64_t>(size()));
+  return out;
+}
+
+State DistributedSampler::state() const {
+  State out = State::object();
+  out.set("epoch", epoch_);
+  return out;
+}
+void DistributedSampler::load_state(const State& state) { epoch_ = state.uint_at("epoch"); }
+State DistributedSampler::fingerprint() const {
+  State out = Sampler::fingerprint();
+  out.set("data_size", static_cast<uint64_t>(data_size_));
+  out.set("num_replicas", static_cast<uint64_t>(num_replicas_));
+  out.set("rank", static_cast<uint64_t>(rank_));
+  out.set("shuffle", shuffle_);
+  out.set("seed", seed_);
+  out.set("drop_last", drop_last_);
+  return out;
+}
+
 }  // namespace conveyor

@@ -38,6 +38,7 @@
 #include "conveyor/detail/engine.h"
 #include "conveyor/detail/failure.h"
 #include "conveyor/detail/loader_core.h"
+#include "conveyor/detail/loader_state.h"
 #include "conveyor/detail/seeds.h"
 #include "conveyor/detail/sequenced_window.h"
 #include "conveyor/detail/worker_scope.h"
@@ -49,6 +50,7 @@ namespace conveyor::detail {
 
 template <class Batch>
 struct SlotResult {
+  uint64_t batch_index = 0;  // written by the consumer before submit: the batch's place in the epoch
   std::optional<Batch> batch;
   std::exception_ptr error;
   FailureContext context;
@@ -56,6 +58,15 @@ struct SlotResult {
   // its iter() or worker_init_fn failed: that worker counts as exhausted).
   bool end_of_replica = false;
   StageTimes times;
+  // round_robin: the generator that made the batch, after it (a resume
+  // sets it back there).
+  std::optional<GeneratorPosition> generator;
+  // Iterable: the batch's number within its replica (see TakeRecord).
+  uint64_t ordinal = 0;
+  // Written by the consumer before submit, in a resumed pass: where the
+  // worker's generator stood before this batch (its previous batch was
+  // received out of turn, and is not made again).
+  std::optional<GeneratorPosition> seek_before;
 };
 
 // One batch's job as the loader sees it: the runtime's Job knows only its
@@ -75,6 +86,16 @@ inline size_t window_for(const LoaderPlan& plan) {
   return std::min(plan.window, std::max(batches, plan.num_workers));
 }
 
+// A resumed pass's generator to set back where its consumer left it, once
+// whatever replays the pass's start has drawn (empty: nothing to do).
+struct PendingSeek {
+  Generator* generator = nullptr;
+  std::optional<GeneratorPosition>* to = nullptr;
+  void apply() {
+    if (to && *to) generator->seek(*std::exchange(*to, std::nullopt));
+  }
+};
+
 // One job into one batch, on whichever thread runs it.
 template <class D, class C>
 class BatchWork {
@@ -84,26 +105,41 @@ class BatchWork {
   using sample_type = typename Core::sample_type;
 
   // `core` owns or outlives the work; one replica per worker (iterable).
-  BatchWork(Core& core, size_t workers) : core_(core), replicas_(workers) {}
+  BatchWork(Core& core, size_t workers) : core_(core), replicas_(workers), skips_(workers) {}
 
   void init_worker(int worker) {
     if (core_.plan.worker_init_fn) core_.plan.worker_init_fn(worker);
   }
 
+  // A resumed pass (iterable): replica r passes over the batches its
+  // consumer received before the state was taken. Written by the consumer
+  // before the pass's first job; read by the replica's strand.
+  void skip_in_replicas(const LoaderResume* resume) {
+    for (size_t r = 0; r < replicas_.size(); ++r) {
+      Skip& skip = skips_[r];
+      const bool resumed = resume && r < resume->position.lanes.size();
+      skip.received = resumed ? resume->position.lanes[r] : ReceivedSet{};
+      skip.failed = resumed && resume->position.lane_failures[r] > 0;
+    }
+  }
+
   // Makes the batch of `job` into `out`, or records why it could not.
   // `worker` is -1 in the consumer's thread (replica 0, no worker info).
-  void run(const BatchJob& job, SlotResult<batch_type>& out, int worker,
-           const std::exception_ptr& init_failure) noexcept {
+  // `seek`: map-style, before the batch; iterable, once the replica is made
+  // and has passed over what its consumer received (both draw).
+  void run(const BatchJob& job, SlotResult<batch_type>& out, int worker, const std::exception_ptr& init_failure,
+           PendingSeek seek = {}) noexcept {
     const char* stage = "fetch";
     try {
       if constexpr (MapStyleDataset<D>) {
+        seek.apply();
         if (init_failure) {
           stage = "worker_init_fn";
           std::rethrow_exception(init_failure);
         }
         out.batch.emplace(core_.make_batch(job.indices, stage, out.times));
       } else {
-        produce_from_replica(job, worker, init_failure, out, stage);
+        produce_from_replica(job, worker, init_failure, out, stage, seek);
       }
     } catch (...) {
       out.error = std::current_exception();
@@ -119,17 +155,44 @@ class BatchWork {
     std::unique_ptr<SampleIterator<sample_type>> iterator;
     uint64_t pass = 0;
     bool exhausted = false;
+    uint64_t next_ordinal = 0;  // the number of the batch it makes next
+  };
+  // What a resumed replica passes over (skip_in_replicas).
+  struct Skip {
+    ReceivedSet received;
+    bool failed = false;  // some of them failed
   };
 
+  // Passes over `count` batches as the first pass made them: by the
+  // iterator's skip() when none of them failed; else batch by batch, each
+  // failing where it failed before (what a failed batch consumed is
+  // consumed again).
+  static void pass_over(Replica& replica, uint64_t count, size_t wanted, bool failed) {
+    if (count == 0) return;
+    if (!failed) {
+      const uint64_t samples = count * wanted;
+      if (replica.iterator->skip(samples) < samples) replica.exhausted = true;
+      return;
+    }
+    for (uint64_t b = 0; b < count && !replica.exhausted; ++b) {
+      try {
+        (void)Core::take_samples(*replica.iterator, wanted, replica.exhausted);
+      } catch (...) {
+        // It failed here the first time too.
+      }
+    }
+  }
+
   void produce_from_replica(const BatchJob& job, int worker, const std::exception_ptr& init_failure,
-                            SlotResult<batch_type>& out, const char*& stage) {
+                            SlotResult<batch_type>& out, const char*& stage, PendingSeek& seek) {
     if constexpr (IterableStyleDataset<D>) {
       Replica& replica = replicas_[static_cast<size_t>(std::max(worker, 0))];
       if (replica.pass != job.pass) {
         // A new pass: a new replica. A worker whose init or iter() fails
         // reports it once, then counts as exhausted (PyTorch's rule): the
         // epoch ends however often a consumer goes on past errors.
-        replica = Replica{nullptr, job.pass, /*exhausted=*/true};
+        // Should iter() fail, that failure is the replica's one batch.
+        replica = Replica{nullptr, job.pass, /*exhausted=*/true, /*next_ordinal=*/1};
         out.end_of_replica = true;
         if (init_failure) {
           stage = "worker_init_fn";
@@ -140,20 +203,39 @@ class BatchWork {
         // loader's worker.
         replica.iterator = core_.dataset->iter(worker < 0 ? nullptr : get_worker_info());
         replica.exhausted = false;
+        replica.next_ordinal = 0;
         out.end_of_replica = false;
+        // A resumed pass: over the batches received in turn, then the
+        // generator to where it stood after them.
+        const Skip& skip = skips_[static_cast<size_t>(std::max(worker, 0))];
+        stage = "iterate";
+        pass_over(replica, skip.received.prefix, wanted_samples(), skip.failed);
+        replica.next_ordinal = skip.received.prefix;
+        seek.apply();
       }
+      const size_t wanted = wanted_samples();
+      // ... and over each received out of turn, the generator after it.
+      const Skip& skip = skips_[static_cast<size_t>(std::max(worker, 0))];
+      while (!replica.exhausted && skip.received.contains(replica.next_ordinal)) {
+        stage = "iterate";
+        pass_over(replica, 1, wanted, true);
+        const OptionalPosition* after = skip.received.generator_after(replica.next_ordinal);
+        if (after && *after && seek.generator) seek.generator->seek(**after);
+        ++replica.next_ordinal;
+      }
+      out.ordinal = replica.next_ordinal;
       if (replica.exhausted) {
         out.end_of_replica = true;
         return;
       }
-      const LoaderPlan& plan = core_.plan;
-      const size_t wanted = plan.auto_collation ? plan.batch_size : 1;
+      ++replica.next_ordinal;
       stage = "iterate";
       const auto start = std::chrono::steady_clock::now();
       std::vector<sample_type> samples = Core::take_samples(*replica.iterator, wanted, replica.exhausted);
-      if (samples.empty() || (plan.drop_last && samples.size() < wanted)) {
+      if (samples.empty() || (core_.plan.drop_last && samples.size() < wanted)) {
         replica.exhausted = true;
         out.end_of_replica = true;
+        out.ordinal = --replica.next_ordinal;  // no batch after all: the count it made
         return;
       }
       const auto fetched = std::chrono::steady_clock::now();
@@ -162,12 +244,15 @@ class BatchWork {
       out.batch.emplace(core_.collate_samples(std::move(samples)));
       out.times.collate_ns += nanoseconds_since(fetched);
     } else {
-      (void)job, (void)worker, (void)init_failure, (void)out, (void)stage;
+      (void)job, (void)worker, (void)init_failure, (void)out, (void)stage, (void)seek;
     }
   }
 
+  size_t wanted_samples() const { return core_.plan.auto_collation ? core_.plan.batch_size : 1; }
+
   Core& core_;
   std::vector<Replica> replicas_;  // by worker
+  std::vector<Skip> skips_;        // by worker
 };
 
 // The engine's workers and their window. Lives for one pass, or for the
@@ -213,16 +298,76 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
   // base_seed + id, their generators afresh unless persistent and seeded
   // before (PyTorch seeds a worker once). Workers read all of this after
   // taking a job, which the consumer queues after writing it.
-  void begin_pass(int64_t base_seed, uint64_t epoch) {
+  //
+  // Checkpoints (round_robin): `progress` gets each worker's generator as
+  // the pass begins it; a persistent worker's is rebased (its state made
+  // its origin), so a position never counts more than one pass of draws. A
+  // resumed pass sets each worker's generator to where its consumer left it,
+  // at the worker's first job (after worker_init_fn, which may draw).
+  void begin_pass(int64_t base_seed, uint64_t epoch, EpochProgress& progress, const LoaderResume* resume) {
     window_->begin_pass();
     base_seed_ = base_seed;
     epoch_ = epoch;
     ++pass_;
+    std::vector<OptionalPosition>& generators = progress.position.generators;
+    generators.assign(per_batch_generators_ ? 0 : workers_.size(), std::nullopt);
     for (size_t w = 0; w < workers_.size(); ++w) {
       Worker& worker = workers_[w];
+      if (persistent_ && worker.tail && worker.last_made < static_cast<int64_t>(worker.tail->first)) {
+        worker.seek_to = worker.tail->second;  // see Worker::tail
+      }
+      worker.tail.reset();
+      worker.last_made = -1;
       worker.info.seed = static_cast<uint64_t>(base_seed) + w;
-      if (pass_ == 1 || !persistent_) worker.generator = Generator(worker.info.seed);
+      if (pass_ == 1 || !persistent_) {
+        worker.generator = Generator(worker.info.seed);
+      } else if (!per_batch_generators_) {
+        worker.generator.set_state(worker.generator.get_state());
+        generators[w] = worker.generator.position();
+      }
+      // A persistent worker that has not run since a resume set its place
+      // keeps it for its first job (after worker_init_fn, which draws once).
+      if (!persistent_ || pass_ == 1 || !worker.seek_to) {
+        worker.seek_to.reset();
+      } else if (!per_batch_generators_) {
+        generators[w] = worker.seek_to;
+      }
+      const std::vector<OptionalPosition>* saved = resume ? &resume->position.generators : nullptr;
+      if (saved && w < saved->size() && (*saved)[w]) {
+        worker.seek_to = (*saved)[w];
+        if (!per_batch_generators_) generators[w] = worker.seek_to;
+      }
     }
+    // A map-style worker's last batches, received out of turn, are not made
+    // again: its generator is where the latest of them left it.
+    if (resume && !per_batch_generators_ && !workers_.empty()) {
+      const ReceivedSet& received = resume->position.batches;
+      for (size_t i = 0; i < received.beyond.size(); ++i) {
+        if (!received.beyond_generators[i]) continue;
+        Worker& worker = workers_[received.beyond[i] % workers_.size()];
+        if (!worker.tail || worker.tail->first < received.beyond[i]) {
+          worker.tail.emplace(received.beyond[i], *received.beyond_generators[i]);
+        }
+      }
+    }
+    work_.skip_in_replicas(resume);
+  }
+
+  // Where each worker's generator goes on from into the next pass: between
+  // passes, when no job runs (a persistent pool's state between epochs).
+  // Consumer thread only.
+  std::vector<std::optional<GeneratorPosition>> generator_positions() const {
+    std::vector<std::optional<GeneratorPosition>> positions;
+    for (const Worker& worker : workers_) {
+      if (worker.tail && worker.last_made < static_cast<int64_t>(worker.tail->first)) {
+        positions.push_back(worker.tail->second);
+      } else if (worker.seek_to) {
+        positions.push_back(worker.seek_to);
+      } else {
+        positions.push_back(worker.generator.position());
+      }
+    }
+    return positions;
   }
 
   // One pass at a time may use a persistent pool. Consumer thread only.
@@ -236,6 +381,12 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
   struct Worker {
     WorkerInfo info;
     Generator generator;
+    std::optional<GeneratorPosition> seek_to;  // a resumed pass: where its first job puts the generator
+    // A resumed pass: its latest batch received out of turn (not made
+    // again) and the generator after it; and the latest batch it made this
+    // pass (written by the worker, read by the consumer between passes).
+    std::optional<std::pair<uint64_t, GeneratorPosition>> tail;
+    int64_t last_made = -1;
   };
 
   void init_worker(int worker) override {
@@ -248,11 +399,18 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     Worker& mine = workers_[static_cast<size_t>(worker)];
     std::optional<WorkerScope> scope;
     if (per_batch_generators_) {
-      scope.emplace(&mine.info, work_stealing_seed(base_seed_, epoch_, job.index));
+      scope.emplace(&mine.info, work_stealing_seed(base_seed_, epoch_, out.batch_index));
     } else {
       scope.emplace(&mine.info, &mine.generator);
+      if (out.seek_before) mine.seek_to = std::move(out.seek_before);  // this batch's, not the pass's
     }
-    work_.run(BatchJob{job.index, pass_, indices}, out, worker, init_failure);
+    (void)job;
+    work_.run(BatchJob{out.batch_index, pass_, indices}, out, worker, init_failure,
+              PendingSeek{&mine.generator, &mine.seek_to});
+    if (!per_batch_generators_) {
+      out.generator = mine.generator.position();
+      mine.last_made = std::max(mine.last_made, static_cast<int64_t>(out.batch_index));
+    }
   }
 
   BatchWork<D, C> work_;
@@ -299,10 +457,10 @@ class WorkerLanes {
   }
 
   // Drops what the last pass left in flight (waiting for what runs) and
-  // starts the next: its seeds, its replicas.
-  void begin_pass(int64_t base_seed, uint64_t epoch) {
+  // starts the next: its seeds, its replicas, where a resume left them.
+  void begin_pass(int64_t base_seed, uint64_t epoch, EpochProgress& progress, const LoaderResume* resume) {
     window_.cancel();
-    pool_->begin_pass(base_seed, epoch);
+    pool_->begin_pass(base_seed, epoch, progress, resume);
   }
 
   // Cancels what is queued, waits for what runs, frees every slot. Never
@@ -324,12 +482,16 @@ class WorkerLanes {
   }
 
   bool runs_ahead() const noexcept { return true; }
+  void seek_generator() noexcept {}  // workers set their own (WorkerPool::begin_pass)
   size_t count() const noexcept { return core_->plan.num_workers; }
   size_t window() const noexcept { return window_.window(); }
   bool has_room() const noexcept { return window_.has_room(); }
   size_t in_flight() const noexcept { return window_.in_flight(); }
-  void submit(int worker, std::span<const size_t> indices) {
+  void submit(int worker, uint64_t batch_index, std::span<const size_t> indices,
+              const OptionalPosition* seek_before = nullptr) {
     window_.next_input().assign(indices.begin(), indices.end());  // the slot's vector: no allocation once warm
+    window_.next_payload().batch_index = batch_index;
+    if (seek_before) window_.next_payload().seek_before = *seek_before;
     window_.submit(worker);
   }
   Taken take(std::chrono::steady_clock::time_point deadline) {
@@ -368,12 +530,38 @@ class InlineLanes {
     made_.lane = 0;  // the only lane
   }
 
-  void begin_pass(int64_t base_seed, uint64_t epoch) {
+  // Under round_robin the dataset draws from the process's generator, which
+  // `progress` follows (slot 0) from the pass's start: rebased there, so a
+  // position counts one pass of draws. A resumed pass sets it back where
+  // its consumer left it (seek_generator(), once the sampler has replayed).
+  void begin_pass(int64_t base_seed, uint64_t epoch, EpochProgress& progress, const LoaderResume* resume) {
     base_seed_ = base_seed;
     epoch_ = epoch;
     ++pass_;  // a new replica at the pass's first job
-    next_batch_ = 0;
     held_ = false;
+    round_robin_ = core_->plan.scheduling == Scheduling::round_robin;
+    std::vector<OptionalPosition>& generators = progress.position.generators;
+    generators.clear();
+    seek_to_.reset();
+    if (round_robin_) {
+      Generator& process = default_generator();
+      process.set_state(process.get_state());
+      generators.assign(1, process.position());
+      if (resume && !resume->position.generators.empty() && resume->position.generators[0]) {
+        seek_to_ = resume->position.generators[0];
+        generators[0] = seek_to_;
+        progress.seek_pending = true;
+        progress_ = &progress;
+      }
+    }
+    work_.skip_in_replicas(resume);
+  }
+  // The process generator back where the consumer left it: called once the
+  // batches received before are drawn again from the sampler.
+  void seek_generator() {
+    if (!seek_to_) return;
+    default_generator().seek(*std::exchange(seek_to_, std::nullopt));
+    progress_->seek_pending = false;
   }
 
   bool runs_ahead() const noexcept { return false; }
@@ -381,8 +569,9 @@ class InlineLanes {
   size_t window() const noexcept { return 0; }
   bool has_room() const noexcept { return !held_; }
   size_t in_flight() const noexcept { return held_ ? 1 : 0; }
-  void submit(int /*worker*/, std::span<const size_t> indices) {
-    const BatchJob job{next_batch_++, pass_, indices};
+  void submit(int /*worker*/, uint64_t batch_index, std::span<const size_t> indices,
+              const OptionalPosition* /*seek_before*/ = nullptr) {
+    const BatchJob job{batch_index, pass_, indices};
     std::optional<WorkerScope> scope;
     if (core_->plan.scheduling == Scheduling::work_stealing) {
       scope.emplace(nullptr, work_stealing_seed(base_seed_, epoch_, job.batch_index));
@@ -394,7 +583,13 @@ class InlineLanes {
     out.error = nullptr;
     out.end_of_replica = false;
     out.times = {};
-    work_.run(job, out, /*worker=*/-1, nullptr);
+    out.batch_index = batch_index;
+    PendingSeek seek;  // map-style: seek_generator(), before the sampler draws
+    if constexpr (IterableStyleDataset<D>) seek = PendingSeek{&default_generator(), &seek_to_};
+    work_.run(job, out, /*worker=*/-1, nullptr, seek);
+    if (progress_ && !seek_to_) progress_->seek_pending = false;
+    out.generator.reset();
+    if (round_robin_) out.generator = default_generator().position();
     made_.index = job.batch_index;
     held_ = true;
   }
@@ -416,9 +611,11 @@ class InlineLanes {
   int64_t base_seed_ = 0;
   uint64_t epoch_ = 0;
   uint64_t pass_ = 0;
-  uint64_t next_batch_ = 0;
   Taken made_;         // the last job's result
   bool held_ = false;  // made_ holds a job not yet taken
+  bool round_robin_ = false;
+  std::optional<GeneratorPosition> seek_to_;  // a resumed pass: see seek_generator()
+  EpochProgress* progress_ = nullptr;         // the pass's, while seek_to_ is set
 };
 
 // fetch+collate: the epoch graph's source node, driven from the consumer's
@@ -435,10 +632,16 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
 
   using Node<batch_type>::reset;
   // The sampler's iter() runs here, after the lanes are leased: a throwing
-  // iter() gives the lease back as the lanes go.
+  // iter() gives the lease back as the lanes go. A pass the loader resumes
+  // (core.resume) passes over what its consumer had received.
   void reset(const PassContext& pass, ResetWalk& walk) override {
     id_ = walk.next_id++;
-    lanes_->begin_pass(static_cast<int64_t>(pass.seed), pass.epoch);
+    progress_ = core_->progress;
+    resume_ = std::exchange(core_->resume, std::nullopt);
+    const bool iterable = core_->plan.kind == DatasetKind::iterable;
+    progress_->begin(iterable ? lanes_->count() : 0, lanes_->count());
+    lanes_->begin_pass(static_cast<int64_t>(pass.seed), pass.epoch, *progress_, resume_ ? &*resume_ : nullptr);
+    next_batch_ = 0;
     batches_.reset();
     sampler_done_ = false;
     sampler_error_ = nullptr;
@@ -450,6 +653,22 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     active_.assign(lanes_->count(), true);
     active_count_ = lanes_->count();
     next_worker_ = 0;
+    if (resume_) {
+      // What the consumer had received stays received: a second state in
+      // this epoch holds it too. The generators are the pass's own, set above.
+      std::vector<OptionalPosition> generators = std::move(progress_->position.generators);
+      progress_->position = resume_->position;
+      progress_->position.generators = std::move(generators);
+      if (iterable) {
+        next_worker_ = resume_->position.next_lane;
+        for (size_t lane = 0; lane < active_.size(); ++lane) {
+          if (resume_->position.lane_done(lane)) {
+            active_[lane] = false;
+            --active_count_;
+          }
+        }
+      }
+    }
     if (core_->plan.kind == DatasetKind::map) batches_ = core_->plan.index_sampler->iter();
   }
 
@@ -527,6 +746,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     SlotResult<batch_type>& result = taken.payload;
     times_.fetch_ns += result.times.fetch_ns;
     times_.collate_ns += result.times.collate_ns;
+    const bool output = result.error || result.batch;
+    progress_->note_taken(TakeRecord{result.batch_index, result.ordinal, std::max(taken.lane, 0), output,
+                                     result.error != nullptr, result.end_of_replica, std::move(result.generator)});
     if (result.end_of_replica) {
       const auto worker = static_cast<size_t>(taken.lane);
       if (active_[worker]) {
@@ -550,6 +772,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     while (lanes_->has_room()) {
       if (core_->plan.kind == DatasetKind::map) {
         if (sampler_done_ || sampler_error_) return;
+        // A resumed pass: the generators go back where its consumer left
+        // them once the batches it received are drawn again (not fetched).
+        if (resume_ && next_batch_ == resume_->position.batches.prefix) lanes_->seek_generator();
         try {
           if (!batches_->next(indices_)) {
             sampler_done_ = true;
@@ -559,17 +784,25 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
           sampler_error_ = std::current_exception();
           return;
         }
-        const int worker = core_->plan.scheduling == Scheduling::round_robin
-                               ? static_cast<int>(submitted_ % workers)
-                               : -1;
-        lanes_->submit(worker, indices_);
+        const uint64_t batch_index = next_batch_++;
+        const bool round_robin = core_->plan.scheduling == Scheduling::round_robin;
+        const OptionalPosition* seek_before = nullptr;
+        if (resume_) {
+          const ReceivedSet& received = resume_->position.batches;
+          if (received.contains(batch_index)) continue;
+          // The worker's previous batch was received out of turn: not made
+          // again, so its generator is set to where that batch left it.
+          if (round_robin && batch_index >= workers) seek_before = received.generator_after(batch_index - workers);
+        }
+        const int worker = round_robin ? static_cast<int>(batch_index % workers) : -1;
+        lanes_->submit(worker, batch_index, indices_, seek_before && *seek_before ? seek_before : nullptr);
         ++submitted_;
       } else {
         if (active_count_ == 0) return;
         // The next worker in the cycle that still produces (PyTorch's
         // _worker_queue_idx_cycle).
         while (!active_[next_worker_]) next_worker_ = (next_worker_ + 1) % workers;
-        lanes_->submit(static_cast<int>(next_worker_), {});
+        lanes_->submit(static_cast<int>(next_worker_), submitted_, {});
         ++submitted_;
         next_worker_ = (next_worker_ + 1) % workers;
       }
@@ -577,7 +810,10 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   }
 
   std::shared_ptr<Core> core_;
+  std::shared_ptr<EpochProgress> progress_;  // the pass's: what the consumer has received
+  std::optional<LoaderResume> resume_;        // a resumed pass: what it passes over
   std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
+  uint64_t next_batch_ = 0;  // map-style: the sampler's batches drawn this pass
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;
   std::exception_ptr sampler_error_;  // thrown by the sampler, not yet by next()

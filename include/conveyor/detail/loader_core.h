@@ -22,6 +22,7 @@
 #include "conveyor/detail/seeds.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/loader_plan.h"
+#include "conveyor/detail/loader_state.h"
 #include "conveyor/errors.h"
 #include "conveyor/metrics.h"
 #include "conveyor/node.h"
@@ -133,6 +134,13 @@ struct LoaderCore {
   // every pass reuses. Consumer thread only. Declared last: the pool's
   // workers stop before anything else here goes.
   std::optional<int64_t> persistent_base_seed;
+  // Checkpoints, consumer thread only: what the epoch started last has
+  // handed its consumer (DataLoader::state_dict), and what load_state_dict
+  // left for the next iter() to resume (pending_resume), then for that
+  // epoch's fetch+collate to pass over (resume).
+  std::shared_ptr<EpochProgress> progress;
+  std::optional<LoaderResume> pending_resume;
+  std::optional<LoaderResume> resume;
   std::shared_ptr<WorkerPool<D, C>> persistent_pool;
 
   // Fetch and collate one map-style batch. `stage` names the step running

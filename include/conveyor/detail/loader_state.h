@@ -1,0 +1,158 @@
+// conveyor/detail/loader_state.h: a DataLoader's position, as the consumer
+// has received it, and what a resumed epoch skips.
+//
+// A state never describes what is prefetched. fetch+collate (and the
+// to_device stage after it) run ahead of the consumer; each result they take
+// from the workers leaves a TakeRecord, and only when the consumer receives
+// that batch is the record committed into the epoch's progress. Resuming is
+// replay, not storage: the epoch starts again from the generators and sampler
+// as they were when it began, the batches already received are drawn from
+// the sampler again and dropped without being fetched (an iterable replica
+// passes over them), and round_robin's generators are set to where they
+// stood after each batch the consumer had received before the one to make.
+//
+// With in_order = false the consumer may receive a worker's later batch
+// before an earlier one, so what was received is a set: a prefix and, above
+// it, the batches received out of turn (at most a window), each with its
+// worker's generator after it.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "conveyor/generator.h"
+#include "conveyor/state.h"
+
+namespace conveyor::detail {
+
+using OptionalPosition = std::optional<GeneratorPosition>;
+
+// Batch numbers received: all below `prefix`, and those in `beyond`.
+struct ReceivedSet {
+  uint64_t prefix = 0;
+  std::vector<uint64_t> beyond;              // sorted, all above prefix
+  std::vector<OptionalPosition> beyond_generators;  // by beyond's entry: its generator after it
+
+  bool contains(uint64_t number) const;
+  // The generator after `number`, when it is in `beyond` (else nullptr).
+  const OptionalPosition* generator_after(uint64_t number) const;
+  // Adds `number`; `joined(n, generator)` sees each number that joins the
+  // prefix, in order, with the generator after it.
+  template <class Joined>
+  void add(uint64_t number, OptionalPosition generator, Joined&& joined);
+};
+
+// One result fetch+collate took from its lanes.
+struct TakeRecord {
+  uint64_t batch_index = 0;
+  // Iterable: the batch's number within its replica; with end_of_replica
+  // and no output, how many the replica made.
+  uint64_t ordinal = 0;
+  int lane = 0;                 // the worker (iterable: the replica); 0 in the consumer's thread
+  bool output = false;          // a batch or a failed batch: the consumer will receive it
+  bool failed = false;          // a failed batch
+  bool end_of_replica = false;  // iterable: that replica has no more
+  // round_robin: the generator that made it (the worker's, or the process's
+  // in the consumer's thread), after it.
+  OptionalPosition generator;
+};
+
+// Where an epoch stands, as received: what a state holds and a resume reads.
+struct EpochPosition {
+  uint64_t received = 0;  // batches and failed batches the consumer got
+  // Map-style: the sampler's batches received.
+  ReceivedSet batches;
+  // Iterable, by replica: its batches received, how many of them failed,
+  // how many it made in all once its end was received (-1 before); the
+  // replica after the last taken.
+  std::vector<ReceivedSet> lanes;
+  std::vector<uint64_t> lane_failures;
+  std::vector<int64_t> lane_end;
+  uint64_t next_lane = 0;
+
+  // Iterable: replica `lane` has handed over every batch it had.
+  bool lane_done(size_t lane) const {
+    return lane_end[lane] >= 0 && lanes[lane].prefix >= static_cast<uint64_t>(lane_end[lane]);
+  }
+  // round_robin, by worker (in the consumer's thread: the process's, slot
+  // 0): the generator after its last batch below the prefix (its replica's
+  // prefix), or as the pass began it.
+  std::vector<OptionalPosition> generators;
+};
+
+// What an epoch has handed to its consumer. Consumer thread only.
+struct EpochProgress {
+  uint64_t epoch = 0;
+  int64_t base_seed = 0;
+  // The loader's generators and sampler as the epoch began (see
+  // DataLoader::iter): the state a replay starts from.
+  State start;
+  bool live = true;   // its Epoch exists
+  bool ended = false; // next() returned the end
+  EpochPosition position;
+  // In the consumer's thread: a resumed pass has not yet set the process
+  // generator back (its sampler has not replayed): generators[0] is where it
+  // will be, not where it is.
+  bool seek_pending = false;
+
+  // `lanes`: replicas of an iterable dataset (0: map-style); `workers`:
+  // round_robin's worker count (a map-style batch's worker is its index
+  // modulo it).
+  void begin(size_t lanes, size_t workers);
+  // fetch+collate took a result.
+  void note_taken(TakeRecord record);
+  // The consumer received the next batch (or failed batch): commits the
+  // records up to it.
+  void commit_received();
+
+ private:
+  void apply(const TakeRecord& record);
+  size_t workers_ = 1;
+  // Iterable, by replica: the generator after its end was found (the last
+  // draws it made), taken once every batch before it is received.
+  std::vector<OptionalPosition> end_generators_;
+  std::vector<TakeRecord> pending_;  // a ring: pending_head_ .. + pending_size_
+  size_t pending_head_ = 0;
+  size_t pending_size_ = 0;
+};
+
+// What load_state_dict leaves for the next iter(): the epoch it resumes and
+// what that epoch skips.
+struct LoaderResume {
+  uint64_t epoch = 0;
+  std::optional<int64_t> base_seed;  // mid-epoch: the one the epoch drew
+  EpochPosition position;
+};
+
+// An epoch's position as the "epoch" member of a state, and back.
+State position_to_state(const EpochPosition& position);
+EpochPosition epoch_position_from_state(const State& state);
+
+// A generator position as a State ({"seed", "draws"[, "origin"]}), and back.
+State generator_to_state(const GeneratorPosition& position);
+GeneratorPosition generator_from_state(const State& state);
+
+template <class Joined>
+void ReceivedSet::add(uint64_t number, OptionalPosition generator, Joined&& joined) {
+  if (number != prefix) {
+    const auto at = static_cast<std::ptrdiff_t>(std::lower_bound(beyond.begin(), beyond.end(), number) - beyond.begin());
+    beyond.insert(beyond.begin() + at, number);
+    beyond_generators.insert(beyond_generators.begin() + at, std::move(generator));
+    return;
+  }
+  joined(prefix, generator);
+  ++prefix;
+  size_t merged = 0;
+  while (merged < beyond.size() && beyond[merged] == prefix) {
+    joined(prefix, beyond_generators[merged]);
+    ++prefix;
+    ++merged;
+  }
+  beyond.erase(beyond.begin(), beyond.begin() + static_cast<std::ptrdiff_t>(merged));
+  beyond_generators.erase(beyond_generators.begin(), beyond_generators.begin() + static_cast<std::ptrdiff_t>(merged));
+}
+
+}  // namespace conveyor::detail

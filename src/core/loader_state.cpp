@@ -1,0 +1,185 @@
+// A loader's position as its consumer received it; see detail/loader_state.h.
+#include "conveyor/detail/loader_state.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace conveyor::detail {
+
+bool ReceivedSet::contains(uint64_t number) const {
+  return number < prefix || std::binary_search(beyond.begin(), beyond.end(), number);
+}
+
+const OptionalPosition* ReceivedSet::generator_after(uint64_t number) const {
+  const auto it = std::lower_bound(beyond.begin(), beyond.end(), number);
+  if (it == beyond.end() || *it != number) return nullptr;
+  return &beyond_generators[static_cast<size_t>(it - beyond.begin())];
+}
+
+void EpochProgress::begin(size_t lanes, size_t workers) {
+  position = EpochPosition{};
+  position.lanes.assign(lanes, ReceivedSet{});
+  position.lane_failures.assign(lanes, 0);
+  position.lane_end.assign(lanes, -1);
+  workers_ = std::max<size_t>(workers, 1);
+  end_generators_.assign(lanes, std::nullopt);
+  pending_size_ = 0;
+  pending_head_ = 0;
+}
+
+void EpochProgress::note_taken(TakeRecord record) {
+  if (pending_size_ == pending_.size()) {
+    // Full: unroll the ring into a larger one (only while the stages after
+    // fetch+collate first fill up; never in a steady epoch).
+    std::vector<TakeRecord> larger;
+    larger.reserve(std::max<size_t>(4, 2 * pending_.size()));
+    for (size_t i = 0; i < pending_size_; ++i) larger.push_back(std::move(pending_[(pending_head_ + i) % pending_.size()]));
+    larger.resize(larger.capacity());
+    pending_ = std::move(larger);
+    pending_head_ = 0;
+  }
+  pending_[(pending_head_ + pending_size_) % pending_.size()] = std::move(record);
+  ++pending_size_;
+}
+
+void EpochProgress::commit_received() {
+  while (pending_size_ > 0) {
+    TakeRecord record = std::move(pending_[pending_head_]);
+    pending_head_ = (pending_head_ + 1) % pending_.size();
+    --pending_size_;
+    apply(record);
+    if (record.output) return;
+  }
+}
+
+void EpochProgress::apply(const TakeRecord& record) {
+  const auto lane = static_cast<size_t>(record.lane);
+  EpochPosition& at = position;
+  auto set_generator = [&at](size_t worker, const OptionalPosition& generator) {
+    if (!generator) return;
+    if (at.generators.size() <= worker) at.generators.resize(worker + 1);
+    at.generators[worker] = generator;
+  };
+  if (!at.lanes.empty()) {  // iterable
+    if (record.output) {
+      if (record.failed) ++at.lane_failures[lane];
+      at.lanes[lane].add(record.ordinal, record.generator,
+                         [&](uint64_t, const OptionalPosition& generator) { set_generator(lane, generator); });
+    }
+    if (record.end_of_replica) {
+      at.lane_end[lane] = static_cast<int64_t>(record.ordinal + (record.output ? 1 : 0));
+      end_generators_[lane] = record.generator;
+    }
+    if (at.lane_done(lane)) set_generator(lane, end_generators_[lane]);
+    at.next_lane = (lane + 1) % at.lanes.size();
+  } else if (record.output) {
+    at.batches.add(record.batch_index, record.generator, [&](uint64_t batch, const OptionalPosition& generator) {
+      set_generator(static_cast<size_t>(batch % workers_), generator);
+    });
+  }
+  if (record.output) ++at.received;
+}
+
+State generator_to_state(const GeneratorPosition& position) {
+  State out = State::object();
+  out.set("seed", position.seed);
+  out.set("draws", position.draws);
+  if (position.origin) out.set("origin", std::string(position.origin->begin(), position.origin->end()));
+  return out;
+}
+
+GeneratorPosition generator_from_state(const State& state) {
+  GeneratorPosition position;
+  position.seed = state.uint_at("seed");
+  position.draws = state.uint_at("draws");
+  if (const State* origin = state.find("origin")) {
+    const std::string& text = origin->as_string("origin");
+    position.origin = std::make_shared<const std::vector<uint8_t>>(text.begin(), text.end());
+  }
+  return position;
+}
+
+namespace {
+
+State generators_to_state(const std::vector<OptionalPosition>& generators) {
+  State out = State::array();
+  for (const OptionalPosition& position : generators) out.push_back(position ? generator_to_state(*position) : State());
+  return out;
+}
+
+std::vector<OptionalPosition> generators_from_state(const State& state) {
+  std::vector<OptionalPosition> out;
+  for (const State& position : state.items()) {
+    out.push_back(position.is_null() ? std::nullopt : OptionalPosition(generator_from_state(position)));
+  }
+  return out;
+}
+
+State set_to_state(const ReceivedSet& set) {
+  State out = State::object();
+  out.set("prefix", set.prefix);
+  out.set("beyond", State::list(set.beyond));
+  out.set("beyond_generators", generators_to_state(set.beyond_generators));
+  return out;
+}
+
+ReceivedSet set_from_state(const State& state) {
+  ReceivedSet set;
+  set.prefix = state.uint_at("prefix");
+  set.beyond = state.at("beyond").as_uint_list("beyond");
+  set.beyond_generators = generators_from_state(state.at("beyond_generators"));
+  if (!std::is_sorted(set.beyond.begin(), set.beyond.end()) ||
+      std::adjacent_find(set.beyond.begin(), set.beyond.end()) != set.beyond.end() ||
+      (!set.beyond.empty() && set.beyond.front() <= set.prefix)) {
+    throw StateError("load_state_dict: 'beyond' should list batches after 'prefix', each once, in increasing order");
+  }
+  if (set.beyond_generators.size() != set.beyond.size()) {
+    throw StateError("load_state_dict: 'beyond_generators' should hold one entry per batch in 'beyond'");
+  }
+  return set;
+}
+
+}  // namespace
+
+State position_to_state(const EpochPosition& position) {
+  State out = State::object();
+  out.set("received", position.received);
+  out.set("batches", set_to_state(position.batches));
+  if (!position.lanes.empty()) {
+    State lanes = State::array();
+    for (size_t lane = 0; lane < position.lanes.size(); ++lane) {
+      State entry = set_to_state(position.lanes[lane]);
+      entry.set("failures", position.lane_failures[lane]);
+      entry.set("end", position.lane_end[lane]);
+      lanes.push_back(std::move(entry));
+    }
+    out.set("lanes", std::move(lanes));
+    out.set("next_lane", position.next_lane);
+  }
+  out.set("generators", generators_to_state(position.generators));
+  return out;
+}
+
+EpochPosition epoch_position_from_state(const State& state) {
+  EpochPosition position;
+  position.received = state.uint_at("received");
+  position.batches = set_from_state(state.at("batches"));
+  if (const State* lanes = state.find("lanes")) {
+    for (const State& entry : lanes->items()) {
+      position.lanes.push_back(set_from_state(entry));
+      position.lane_failures.push_back(entry.uint_at("failures"));
+      position.lane_end.push_back(entry.int_at("end"));
+    }
+    position.next_lane = state.uint_at("next_lane");
+    if (position.lanes.empty() || position.next_lane >= position.lanes.size()) {
+      throw StateError("load_state_dict: 'next_lane' should name one of the " + std::to_string(position.lanes.size()) +
+                       " replicas");
+    }
+  }
+  position.generators = generators_from_state(state.at("generators"));
+  return position;
+}
+
+}  // namespace conveyor::detail

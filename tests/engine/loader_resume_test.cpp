@@ -1,0 +1,439 @@
+// DataLoader::state_dict / load_state_dict: a loader stopped anywhere,
+// saved, destroyed and built anew (another num_workers where that is
+// allowed) hands out exactly the batches the uninterrupted run did after that
+// point, then the same epochs after it.
+//
+// The property test draws random configurations: samplers, schedules,
+// orders, workers, persistent workers, prefetch_to_device, errors, iterable
+// datasets. Its seed is printed; CONVEYOR_RESUME_SEED=N replays one.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using conveyor::DataLoader;
+using conveyor::LoaderOptions;
+using conveyor::Scheduling;
+using conveyor::State;
+using conveyor::StateError;
+
+using Sample = std::tuple<int64_t, int64_t>;  // (index, what the dataset drew)
+
+// Draws 1 to 3 numbers per sample from default_generator() (the batch's,
+// the worker's or the process's generator, by schedule); the indices in
+// `bad` throw after drawing.
+struct DrawingDataset final : conveyor::Dataset<Sample> {
+  DrawingDataset(size_t n, std::set<size_t> bad) : n(n), bad(std::move(bad)) {}
+  size_t size() const override { return n; }
+  Sample get(size_t i) override {
+    int64_t draw = 0;
+    for (size_t k = 0; k <= i % 3; ++k) draw = draw * 31 + conveyor::default_generator().random() % 1000;
+    if (bad.count(i)) throw std::runtime_error("bad sample " + std::to_string(i));
+    return {static_cast<int64_t>(i), draw};
+  }
+  size_t n;
+  std::set<size_t> bad;
+};
+
+// Worker w of W yields w, w + W, ... below lengths-dependent ends, each with
+// a draw from its worker's generator; positions in `bad` throw.
+struct DrawingStream final : conveyor::IterableDataset<Sample> {
+  DrawingStream(int64_t n, std::set<int64_t> bad) : n(n), bad(std::move(bad)) {}
+  std::unique_ptr<conveyor::SampleIterator<Sample>> iter(const conveyor::WorkerInfo* worker) override {
+    const int64_t start = worker ? worker->id : 0;
+    const int64_t step = worker ? worker->num_workers : 1;
+    // Replicas end unevenly: worker w stops before n - w * 3.
+    const int64_t end = n - start * 3;
+    return conveyor::make_sample_iterator<Sample>(
+        [next = start, step, end, this]() mutable -> std::optional<Sample> {
+          if (next >= end) return std::nullopt;
+          const int64_t value = next;
+          next += step;
+          const int64_t draw = conveyor::default_generator().random() % 1000;
+          if (bad.count(value)) throw std::runtime_error("bad sample " + std::to_string(value));
+          return Sample{value, draw};
+        });
+  }
+  void set_epoch(uint64_t e) override { epoch = e; }
+  int64_t n;
+  std::set<int64_t> bad;
+  uint64_t epoch = 0;
+};
+
+template <class Batch>
+std::string describe(const Batch& batch) {
+  const auto& [indices, draws] = batch;
+  std::string out;
+  for (size_t i = 0; i < static_cast<size_t>(indices.numel()); ++i) {
+    out += std::to_string(indices.data()[i]) + ":" + std::to_string(draws.data()[i]) + " ";
+  }
+  return out;
+}
+
+// The outputs of one epoch: batches described, failed batches by position.
+using Outputs = std::vector<std::string>;
+
+template <class Loader>
+bool take_one(typename Loader::Epoch& epoch, Outputs& out) {
+  try {
+    auto batch = epoch.next();
+    if (!batch) return false;
+    out.push_back(describe(*batch));
+  } catch (const conveyor::WorkerError& error) {
+    // What failed, not where: an iterable's job numbers depend on timing.
+    try {
+      std::rethrow_exception(error.original());
+    } catch (const std::exception& original) {
+      out.push_back(std::string("error: ") + original.what());
+    }
+  }
+  return true;
+}
+
+struct Config {
+  bool iterable = false;
+  size_t n = 0;
+  int64_t batch_size = 1;
+  bool drop_last = false;
+  int sampler = 0;  // 0 sequential, 1 shuffle, 2 random with replacement, 3 subset, 4 weighted, 5 distributed
+  int workers = 0;
+  int workers_after = 0;  // the resumed loader's
+  Scheduling scheduling = Scheduling::work_stealing;
+  bool in_order = true;
+  bool persistent = false;
+  int prefetch_factor = 2;
+  bool device = false;
+  std::optional<uint64_t> seed;
+  uint64_t sampler_seed = 0;
+  std::set<size_t> bad;
+  int epochs = 2;
+
+  std::string text() const {
+    return std::string(iterable ? "iterable" : "map") + " n=" + std::to_string(n) +
+           " batch_size=" + std::to_string(batch_size) + " drop_last=" + std::to_string(drop_last) +
+           " sampler=" + std::to_string(sampler) + " workers=" + std::to_string(workers) + "->" +
+           std::to_string(workers_after) +
+           (scheduling == Scheduling::round_robin ? " round_robin" : " work_stealing") +
+           " in_order=" + std::to_string(in_order) + " persistent=" + std::to_string(persistent) +
+           " device=" + std::to_string(device) + " seed=" + (seed ? std::to_string(*seed) : "none") +
+           " bad=" + std::to_string(bad.size());
+  }
+};
+
+LoaderOptions options_for(const Config& config, int workers) {
+  LoaderOptions options;
+  options.batch_size = config.batch_size;
+  options.drop_last = config.drop_last;
+  options.num_workers = workers;
+  options.prefetch_factor = workers > 0 ? config.prefetch_factor : 2;
+  options.persistent_workers = workers > 0 && config.persistent;
+  options.scheduling = config.scheduling;
+  options.in_order = config.in_order;
+  options.seed = config.seed;
+  if (config.device) {
+    options.pin_memory = true;
+    options.transfer_device = conveyor::make_host_standin_device();
+    options.prefetch_to_device = 2;
+  }
+  if (!config.iterable) {
+    const size_t n = config.n;
+    const conveyor::Generator own(config.sampler_seed);
+    switch (config.sampler) {
+      case 1: options.shuffle = true; break;
+      case 2: options.sampler = std::make_shared<conveyor::RandomSampler>(n, true, static_cast<int64_t>(n + 37)); break;
+      case 3: {
+        std::vector<size_t> subset;
+        for (size_t i = 0; i < n; i += 2) subset.push_back(i);
+        options.sampler = std::make_shared<conveyor::SubsetRandomSampler>(subset, own);
+        break;
+      }
+      case 4: {
+        std::vector<double> weights(n);
+        for (size_t i = 0; i < n; ++i) weights[i] = 1.0 + static_cast<double>(i % 5);
+        options.sampler = std::make_shared<conveyor::WeightedRandomSampler>(weights, static_cast<int64_t>(n), true);
+        break;
+      }
+      case 5: options.sampler = std::make_shared<conveyor::DistributedSampler>(n, 2, 1, true, config.sampler_seed); break;
+      default: break;
+    }
+  }
+  return options;
+}
+
+template <class Loader>
+void start_epoch(Loader& loader, uint64_t epoch) {
+  loader.set_epoch(epoch);
+}
+
+// Runs the configuration: reference epochs whole; then a loader stopped at
+// (stop_epoch, stop_after), saved through JSON text, a new loader (another
+// process generator) resumed from it, stopped again `second_stop` outputs
+// later, saved and resumed once more. Compares every output after the stop.
+template <class D>
+void check_resume(const Config& config, std::shared_ptr<D> dataset, std::mt19937_64& rng) {
+  using Loader = DataLoader<D>;
+  conveyor::manual_seed(1234);
+  std::vector<Outputs> reference;
+  {
+    Loader loader(dataset, options_for(config, config.workers));
+    for (int e = 0; e < config.epochs; ++e) {
+      start_epoch(loader, static_cast<uint64_t>(e));
+      auto epoch = loader.iter();
+      Outputs outputs;
+      while (take_one<Loader>(epoch, outputs)) {
+      }
+      reference.push_back(outputs);
+    }
+  }
+  const auto stop_epoch = static_cast<int>(rng() % static_cast<uint64_t>(config.epochs));
+  const size_t epoch_length = reference[static_cast<size_t>(stop_epoch)].size();
+  const size_t stop_after = rng() % (epoch_length + 1);
+  const size_t second_stop = rng() % (epoch_length - stop_after + 1);
+  SCOPED_TRACE("stop at epoch " + std::to_string(stop_epoch) + " after " + std::to_string(stop_after) +
+               " of " + std::to_string(epoch_length) + ", again " + std::to_string(second_stop) + " later");
+
+  // What the stopped loaders handed out in the stop epoch, in order.
+  Outputs before;
+  std::string saved;
+  conveyor::manual_seed(1234);
+  {
+    Loader loader(dataset, options_for(config, config.workers));
+    for (int e = 0; e < stop_epoch; ++e) {
+      start_epoch(loader, static_cast<uint64_t>(e));
+      auto epoch = loader.iter();
+      Outputs ignored;
+      while (take_one<Loader>(epoch, ignored)) {
+      }
+    }
+    start_epoch(loader, static_cast<uint64_t>(stop_epoch));
+    auto epoch = loader.iter();
+    while (before.size() < stop_after) ASSERT_TRUE(take_one<Loader>(epoch, before));
+    saved = loader.state_dict().to_json();
+  }
+  // A new process: its default generator elsewhere.
+  conveyor::manual_seed(rng());
+  {
+    Loader loader(dataset, options_for(config, config.workers_after));
+    loader.load_state_dict(State::from_json(saved));
+    start_epoch(loader, static_cast<uint64_t>(stop_epoch));
+    auto epoch = loader.iter();
+    while (before.size() < stop_after + second_stop) ASSERT_TRUE(take_one<Loader>(epoch, before));
+    saved = loader.state_dict().to_json();
+  }
+  conveyor::manual_seed(rng());
+  Loader loader(dataset, options_for(config, config.workers_after));
+  loader.load_state_dict(State::from_json(saved));
+  Outputs after = before;
+  start_epoch(loader, static_cast<uint64_t>(stop_epoch));
+  {
+    auto epoch = loader.iter();
+    while (take_one<Loader>(epoch, after)) {
+    }
+  }
+  const Outputs& expected = reference[static_cast<size_t>(stop_epoch)];
+  if (config.in_order) {
+    EXPECT_EQ(after, expected) << "epoch " << stop_epoch;
+  } else {
+    Outputs a = after, b = expected;
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    EXPECT_EQ(a, b) << "epoch " << stop_epoch << " (as a multiset: in_order = false)";
+  }
+  for (int e = stop_epoch + 1; e < config.epochs; ++e) {
+    start_epoch(loader, static_cast<uint64_t>(e));
+    auto epoch = loader.iter();
+    Outputs outputs;
+    while (take_one<Loader>(epoch, outputs)) {
+    }
+    Outputs want = reference[static_cast<size_t>(e)];
+    if (!config.in_order) {
+      std::sort(outputs.begin(), outputs.end());
+      std::sort(want.begin(), want.end());
+    }
+    EXPECT_EQ(outputs, want) << "epoch " << e;
+  }
+}
+
+Config random_config(std::mt19937_64& rng) {
+  Config config;
+  config.iterable = rng() % 4 == 0;
+  config.n = 1 + rng() % 60;
+  config.batch_size = 1 + static_cast<int64_t>(rng() % 6);
+  config.drop_last = rng() % 3 == 0;
+  config.sampler = static_cast<int>(rng() % 6);
+  config.persistent = rng() % 2 == 0;
+  // Persistent workers need workers (and draw one base seed for all epochs).
+  const int least = config.persistent ? 1 : 0;
+  config.workers = least + static_cast<int>(rng() % 4);
+  config.scheduling = config.iterable || rng() % 2 ? Scheduling::round_robin : Scheduling::work_stealing;
+  // Another worker count only where the output does not depend on it.
+  config.workers_after =
+      config.scheduling == Scheduling::work_stealing ? least + static_cast<int>(rng() % 4) : config.workers;
+  config.in_order = rng() % 3 != 0;
+  config.prefetch_factor = 1 + static_cast<int>(rng() % 3);
+  config.device = rng() % 4 == 0;
+  if (rng() % 2) config.seed = rng();
+  config.sampler_seed = rng();
+  if (rng() % 3 == 0) {
+    for (size_t k = 0; k < 3; ++k) config.bad.insert(rng() % config.n);
+  }
+  config.epochs = 1 + static_cast<int>(rng() % 3);
+  return config;
+}
+
+TEST(LoaderResume, RandomConfigurationsResumeExactlyAnywhere) {
+  const char* replay = std::getenv("CONVEYOR_RESUME_SEED");
+  const uint64_t seed = replay ? std::strtoull(replay, nullptr, 10) : std::random_device{}();
+  std::printf("loader resume seed: %llu (each failing run prints its own to replay)\n",
+              static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  const int runs = replay ? 1 : 150;
+  for (int run = 0; run < runs; ++run) {
+    const uint64_t run_seed = replay ? seed : rng();
+    std::mt19937_64 run_rng(run_seed);
+    const Config config = random_config(run_rng);
+    SCOPED_TRACE("run seed " + std::to_string(run_seed) + ": " + config.text());
+    if (config.iterable) {
+      std::set<int64_t> bad(config.bad.begin(), config.bad.end());
+      check_resume(config, std::make_shared<DrawingStream>(static_cast<int64_t>(config.n), bad), run_rng);
+    } else {
+      check_resume(config, std::make_shared<DrawingDataset>(config.n, config.bad), run_rng);
+    }
+    if (::testing::Test::HasFailure()) {
+      std::printf("failing run: replay it with CONVEYOR_RESUME_SEED=%llu\n", static_cast<unsigned long long>(run_seed));
+      return;
+    }
+  }
+}
+
+// Named cases the random draw may miss.
+TEST(LoaderResume, RoundRobinPersistentWorkersAcrossEpochBoundaries) {
+  std::mt19937_64 rng(7);
+  for (size_t stop_trials = 0; stop_trials < 20; ++stop_trials) {
+    Config config;
+    config.n = 23;
+    config.batch_size = 2;
+    config.sampler = 1;
+    config.workers = config.workers_after = 3;
+    config.scheduling = Scheduling::round_robin;
+    config.persistent = true;
+    config.epochs = 3;
+    check_resume(config, std::make_shared<DrawingDataset>(config.n, std::set<size_t>{4}), rng);
+  }
+}
+
+TEST(LoaderResume, WorkStealingResumesWithAnotherWorkerCount) {
+  std::mt19937_64 rng(11);
+  for (int before : {0, 1, 4}) {
+    for (int after : {0, 2, 3}) {
+      Config config;
+      config.n = 40;
+      config.batch_size = 3;
+      config.sampler = 1;
+      config.workers = before;
+      config.workers_after = after;
+      config.in_order = true;
+      config.seed = 99;
+      config.epochs = 2;
+      SCOPED_TRACE(config.text());
+      check_resume(config, std::make_shared<DrawingDataset>(config.n, std::set<size_t>{}), rng);
+    }
+  }
+}
+
+using Loader = DataLoader<DrawingDataset>;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& error) {
+    return error.what();
+  }
+  return "(no error)";
+}
+
+TEST(LoaderResume, AMismatchNamesTheFieldAndRoundRobinSaysWhyNotAnotherWorkerCount) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});
+  Loader saver(dataset, {.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 5,
+                         .scheduling = Scheduling::round_robin});
+  const State state = saver.state_dict();
+
+  Loader other_batch(dataset, {.batch_size = 5, .shuffle = true, .num_workers = 2, .seed = 5,
+                               .scheduling = Scheduling::round_robin});
+  EXPECT_EQ(error_of([&] { other_batch.load_state_dict(state); }),
+            "load_state_dict: 'sampler.batch_size' does not match: the state was saved with 4, this one has 5");
+
+  Loader other_workers(dataset, {.batch_size = 4, .shuffle = true, .num_workers = 3, .seed = 5,
+                                 .scheduling = Scheduling::round_robin});
+  const std::string message = error_of([&] { other_workers.load_state_dict(state); });
+  EXPECT_NE(message.find("num_workers=2 and this loader has num_workers=3"), std::string::npos) << message;
+  EXPECT_NE(message.find("work_stealing"), std::string::npos) << message;
+
+  Loader other_schedule(dataset, {.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 5});
+  EXPECT_NE(error_of([&] { other_schedule.load_state_dict(state); }).find("'scheduling' does not match"),
+            std::string::npos);
+
+  auto smaller = std::make_shared<DrawingDataset>(29, std::set<size_t>{});
+  Loader other_size(smaller, {.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 5,
+                              .scheduling = Scheduling::round_robin});
+  EXPECT_NE(error_of([&] { other_size.load_state_dict(state); }).find("'dataset_size' does not match"),
+            std::string::npos);
+
+  State future = state;
+  future.set("version", 7);
+  EXPECT_NE(error_of([&] { saver.load_state_dict(future); }).find("version 7"), std::string::npos);
+  EXPECT_THROW(saver.load_state_dict(State::from_json(R"({"format": "conveyor.Pipeline"})")), StateError);
+}
+
+TEST(LoaderResume, IterableDatasetsRefuseAnotherWorkerCount) {
+  auto dataset = std::make_shared<DrawingStream>(40, std::set<int64_t>{});
+  DataLoader<DrawingStream> saver(dataset, {.batch_size = 4, .num_workers = 2});
+  DataLoader<DrawingStream> other(dataset, {.batch_size = 4, .num_workers = 3});
+  const std::string message = error_of([&] { other.load_state_dict(saver.state_dict()); });
+  EXPECT_NE(message.find("iterable dataset is split among its workers"), std::string::npos) << message;
+}
+
+TEST(LoaderResume, AResumedEpochMustBeTheOneAskedFor) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});
+  Loader saver(dataset, {.batch_size = 4, .shuffle = true, .seed = 5});
+  saver.set_epoch(3);
+  auto epoch = saver.iter();
+  (void)epoch.next();
+  const State state = saver.state_dict();
+  EXPECT_THROW(saver.load_state_dict(state), conveyor::RuntimeError);  // its epoch is live
+
+  Loader resumed(dataset, {.batch_size = 4, .shuffle = true, .seed = 5});
+  resumed.load_state_dict(state);
+  resumed.set_epoch(4);
+  const std::string message = error_of([&] { (void)resumed.iter(); });
+  EXPECT_NE(message.find("resumes epoch 3"), std::string::npos) << message;
+  resumed.set_epoch(3);
+  auto again = resumed.iter();
+  auto batch = again.next();
+  ASSERT_TRUE(batch);
+}
+
+TEST(LoaderResume, AStateIsSmallWhateverTheDatasetsSize) {
+  // Counts and generator states, never the order: a million samples in a
+  // shuffled epoch, stopped in the middle.
+  auto dataset = std::make_shared<DrawingDataset>(1000000, std::set<size_t>{});
+  Loader loader(dataset, {.batch_size = 1000, .shuffle = true, .num_workers = 2, .seed = 1,
+                          .scheduling = Scheduling::round_robin});
+  auto epoch = loader.iter();
+  for (int i = 0; i < 10; ++i) (void)epoch.next();
+  const std::string text = loader.state_dict().to_json();
+  EXPECT_LT(text.size(), 32u * 1024) << text.substr(0, 400);
+}
+
+}  // namespace

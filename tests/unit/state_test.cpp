@@ -1,0 +1,146 @@
+// State: JSON text round trips, hostile text, the envelope's checks, files.
+#include "conveyor/state.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+
+namespace conveyor {
+namespace {
+
+TEST(State, RoundTripsEveryKindOfValueAndKeepsSixtyFourBits) {
+  State state = State::object();
+  state.set("max", std::numeric_limits<uint64_t>::max());
+  state.set("min", std::numeric_limits<int64_t>::min());
+  state.set("half", 0.5);
+  state.set("text", "a \"quoted\"\\ line\nwith \x01 control");
+  state.set("flag", true);
+  state.set("nothing", State());
+  state.set("list", State::list({1, 2, 3}));
+  State nested = State::object();
+  nested.set("deeper", State::array());
+  state.set("nested", nested);
+
+  const std::string text = state.to_json();
+  const State back = State::from_json(text);
+  EXPECT_EQ(back, state);
+  EXPECT_EQ(back.uint_at("max"), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(back.int_at("min"), std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(back.at("half").as_double(), 0.5);
+  EXPECT_EQ(back.string_at("text"), "a \"quoted\"\\ line\nwith \x01 control");
+  EXPECT_EQ(back.at("list").as_uint_list(), (std::vector<uint64_t>{1, 2, 3}));
+  EXPECT_EQ(back.to_json(), text);  // members keep their order
+}
+
+TEST(State, ReadsEscapesAndWhitespace) {
+  const State state = State::from_json(" { \"a\" : [ 1 , -2 , 3.5e1 ] ,\n \"u\" : \"\\u00e9\\ud83d\\ude00\\/\" } ");
+  EXPECT_EQ(state.at("a").items()[1].as_int(), -2);
+  EXPECT_EQ(state.at("a").items()[2].as_double(), 35.0);
+  EXPECT_EQ(state.string_at("u"), "\xc3\xa9\xf0\x9f\x98\x80/");
+}
+
+TEST(State, RefusesMalformedAndHostileText) {
+  for (const char* bad : {"", "{", "[1,]", "{\"a\":1,}", "{\"a\" 1}", "tru", "\"open", "01x", "1 2",
+                          "{\"a\":1,\"a\":2}", "\"\\ud800\"", "\"\\q\"", "18446744073709551616",
+                          "-9223372036854775809", "\"tab\there\""}) {
+    EXPECT_THROW(State::from_json(bad), StateError) << bad;
+  }
+  // Deep nesting is refused, not a stack overflow.
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  try {
+    State::from_json(deep);
+    FAIL() << "a 100000-deep array was accepted";
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("deeper than 64"), std::string::npos) << error.what();
+  }
+}
+
+TEST(State, TypedReadsNameTheFieldAndWhatItHolds) {
+  const State state = State::from_json(R"({"count": -1, "name": 7})");
+  try {
+    state.uint_at("count");
+    FAIL();
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("count should be a non-negative integer"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(state.string_at("name"), StateError);
+  try {
+    state.at("missing");
+    FAIL();
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("'missing' is missing"), std::string::npos) << error.what();
+  }
+}
+
+TEST(State, TheEnvelopeNamesTheFieldThatDiffers) {
+  State fingerprint = State::object();
+  fingerprint.set("batch_size", 64);
+  State sampler = State::object();
+  sampler.set("name", "RandomSampler");
+  fingerprint.set("sampler", sampler);
+  const State saved = State::from_json(state_envelope("conveyor.DataLoader", fingerprint).to_json());
+  EXPECT_NO_THROW(check_state_envelope(saved, "conveyor.DataLoader", fingerprint, "load_state_dict"));
+
+  State other = fingerprint;
+  other.set("batch_size", 32);
+  try {
+    check_state_envelope(saved, "conveyor.DataLoader", other, "load_state_dict");
+    FAIL();
+  } catch (const StateError& error) {
+    EXPECT_STREQ(error.what(),
+                 "load_state_dict: 'batch_size' does not match: the state was saved with 64, this one has 32");
+  }
+  State renamed = fingerprint;
+  State sequential = State::object();
+  sequential.set("name", "SequentialSampler");
+  renamed.set("sampler", sequential);
+  try {
+    check_state_envelope(saved, "conveyor.DataLoader", renamed, "load_state_dict");
+    FAIL();
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("'sampler.name' does not match"), std::string::npos) << error.what();
+  }
+  EXPECT_THROW(check_state_envelope(saved, "conveyor.Pipeline", fingerprint, "load_state"), StateError);
+  State future = saved;
+  future.set("version", 2);
+  EXPECT_THROW(check_state_envelope(future, "conveyor.DataLoader", fingerprint, "x"), StateError);
+}
+
+TEST(State, FilesAreReplacedWholeAndSpecialFilesRefused) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("conveyor_state_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "state.json").string();
+  State first = State::object();
+  first.set("n", 1);
+  save_state_file(path, first);
+  State second = State::object();
+  second.set("n", 2);
+  save_state_file(path, second);
+  EXPECT_EQ(load_state_file(path), second);
+  // No temporary file is left beside it.
+  size_t files = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++files;
+  EXPECT_EQ(files, 1u);
+
+  const std::string fifo = (dir / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THROW(load_state_file(fifo), StateError);
+  const std::string link = (dir / "link").string();
+  std::filesystem::create_symlink(path, link);
+  EXPECT_THROW(load_state_file(link), StateError);
+  std::ofstream(dir / "garbage") << "{\"n\": ";
+  EXPECT_THROW(load_state_file((dir / "garbage").string()), StateError);
+  EXPECT_THROW(load_state_file((dir / "absent").string()), RuntimeError);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace conveyor

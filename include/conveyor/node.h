@@ -25,6 +25,15 @@
 //   (rank x worker of world_size x num_workers) and the most upstream node
 //   that is shardable takes only its part; every other node sees its share.
 //
+// - Checkpoints (Pipeline::state / load_state): a pass resumes by replay.
+//   The state is the pass (epoch, seed, shard), how many outputs the
+//   consumer received, and what timing decided (join's sources, the order
+//   of a map with in_order = false). Resuming resets the pass and skips
+//   that many outputs: each node skips as cheaply as its semantics allow (a
+//   source jumps, a map passes the skip upstream without running f, batch
+//   multiplies, shuffle replays its draws on positions), and pulls and
+//   drops where it cannot. Nothing is stored that replay recomputes.
+//
 // Thread-safety: a node is advanced by one thread at a time (a parallel node
 // runs user code on many, and keeps its own upstream on one).
 #pragma once
@@ -43,6 +52,7 @@
 
 #include "conveyor/buffer.h"
 #include "conveyor/errors.h"
+#include "conveyor/state.h"
 
 namespace conveyor {
 
@@ -115,7 +125,16 @@ struct ResetWalk {
   // The threads the graph's parallel nodes share (one arena per graph):
   // made when the first of them asks (walk_executor), held by each.
   std::shared_ptr<Executor> executor;
+  // A pass resuming from a state: its "nodes" member, what nodes saved
+  // (save_extras) by id; null otherwise. Shared: a node that resets its
+  // upstream again later in the pass (shuffle) keeps a copy of the walk.
+  std::shared_ptr<const State> restoring;
 };
+
+// What `walk` restores for node `id`, or nullptr.
+inline const State* restored_extras(const ResetWalk& walk, uint64_t id) {
+  return walk.restoring ? walk.restoring->find(std::to_string(id)) : nullptr;
+}
 
 // The walk's executor, made on first use.
 std::shared_ptr<Executor> walk_executor(ResetWalk& walk);
@@ -177,7 +196,33 @@ class Node {
 
   // Appends this node's metrics after its upstream's (sources first).
   virtual void collect_metrics(std::vector<NodeMetrics>& out) const { out.push_back({name()}); }
+
+  // Checkpoints. skip(): passes over the next `count` outputs of this pass
+  // without handing them out, errors counting as outputs as items do, and
+  // returns how many there were (fewer at the pass's end). `clean`: none of
+  // them is an error, so a node may skip by arithmetic where errors would
+  // shift its count (batch). The default pulls and drops; nodes override it
+  // to skip cheaply. Called right after a reset, before any next().
+  virtual uint64_t skip(uint64_t count, bool clean);
+  // Writes what this node and everything upstream of it decided by timing
+  // into `nodes` (by id), for a resumed pass to replay (ResetWalk::restoring).
+  // Called from the consumer's thread while the pass runs.
+  virtual void save_extras(State& /*nodes*/) const {}
 };
+
+template <class T>
+uint64_t Node<T>::skip(uint64_t count, bool /*clean*/) {
+  uint64_t skipped = 0;
+  while (skipped < count) {
+    try {
+      if (!next()) break;
+    } catch (...) {
+      // A failed item is an output like any other: it was handed out (thrown).
+    }
+    ++skipped;
+  }
+  return skipped;
+}
 
 template <class T>
 using NodePtr = std::unique_ptr<Node<T>>;
@@ -222,22 +267,120 @@ class Pipeline {
   // One pass, as a range: for (auto& item : pipeline.pass()) ...
   class Pass;
   Pass pass() {
+    if (resume_ && resume_->epoch != epoch_) {
+      throw StateError("this pipeline resumes pass " + std::to_string(resume_->epoch) +
+                       " (load_state), but set_epoch(" + std::to_string(epoch_) + ") asked for another");
+    }
     const PassContext context{epoch_++, seed_, shard_, timed_};
-    node_->reset(context);
-    return Pass(*node_);
+    auto progress = std::make_shared<PassProgress>();
+    progress->epoch = context.epoch;
+    detail::ResetWalk walk;
+    std::optional<Resume> resume = std::exchange(resume_, std::nullopt);
+    if (resume) walk.restoring = std::make_shared<const State>(std::move(resume->nodes));
+    node_->reset(context, walk);
+    if (resume && resume->received > 0) {
+      const uint64_t skipped = node_->skip(resume->received, resume->errors == 0);
+      if (skipped < resume->received) {
+        throw StateError("load_state: pass " + std::to_string(context.epoch) + " ended after " +
+                         std::to_string(skipped) + " items, but the state's consumer had received " +
+                         std::to_string(resume->received) + ": the data is not what it was");
+      }
+      progress->received = resume->received;
+      progress->errors = resume->errors;
+    }
+    progress_ = progress;
+    return Pass(*node_, std::move(progress));
+  }
+
+  // ---- checkpoints ----------------------------------------------------
+  //
+  // state(): where the consumer of the current pass is (the outputs it
+  // received, errors included, and what timing decided upstream), or, with
+  // no pass going on, the next pass. load_state() into a pipeline built the
+  // same way makes its next pass() hand out exactly what the saved one had
+  // not, then the passes after it. The fingerprint holds the graph's shape
+  // (its nodes' names, sources first), the seed and the shard.
+  State state() const {
+    State out = state_envelope("conveyor.Pipeline", fingerprint());
+    const bool in_pass = progress_ && progress_->live && !progress_->ended;
+    out.set("epoch", in_pass ? progress_->epoch : epoch_);
+    out.set("received", in_pass ? progress_->received : uint64_t{0});
+    out.set("errors", in_pass ? progress_->errors : uint64_t{0});
+    State nodes = State::object();
+    node_->save_extras(nodes);
+    out.set("nodes", std::move(nodes));
+    return out;
+  }
+  // Throws StateError for a state of another kind or version, or whose
+  // fingerprint differs (naming the field).
+  void load_state(const State& state) {
+    check_state_envelope(state, "conveyor.Pipeline", fingerprint(), "load_state");
+    Resume resume;
+    resume.epoch = state.uint_at("epoch");
+    resume.received = state.uint_at("received");
+    resume.errors = state.uint_at("errors");
+    resume.nodes = state.at("nodes");
+    if (!resume.nodes.is_object()) throw StateError("load_state: 'nodes' should be an object");
+    epoch_ = resume.epoch;
+    resume_ = std::move(resume);
   }
 
  private:
+  // The consumer's count in a pass; shared with its Pass (which may outlive
+  // a moved pipeline).
+  struct PassProgress {
+    uint64_t epoch = 0;
+    uint64_t received = 0;  // outputs handed to the consumer, errors included
+    uint64_t errors = 0;
+    bool ended = false;
+    bool live = true;  // its Pass exists
+  };
+  struct Resume {
+    uint64_t epoch = 0;
+    uint64_t received = 0;
+    uint64_t errors = 0;
+    State nodes;
+  };
+
+  // The graph's shape: its nodes' names, without how they run (a map's
+  // workers, a prefetch): a pass's items do not depend on that, so a state
+  // loads whatever the worker counts.
+  State fingerprint() const {
+    State names = State::array();
+    for (const NodeMetrics& node : metrics()) {
+      if (node.name.starts_with("prefetch(")) continue;
+      names.push_back(node.name.starts_with("map(workers=") ? std::string("map") : node.name);
+    }
+    State shard = State::object();
+    shard.set("rank", shard_.rank);
+    shard.set("world_size", shard_.world_size);
+    shard.set("worker", shard_.worker);
+    shard.set("num_workers", shard_.num_workers);
+    State out = State::object();
+    out.set("nodes", std::move(names));
+    out.set("seed", seed_);
+    out.set("shard", std::move(shard));
+    return out;
+  }
+
   NodePtr<T> node_;
   uint64_t seed_ = 0;
   uint64_t epoch_ = 0;
   ShardSpec shard_;
   bool timed_ = false;
+  std::shared_ptr<PassProgress> progress_;  // the last pass's
+  std::optional<Resume> resume_;            // load_state's, for the next pass
 };
 
 template <class T>
 class Pipeline<T>::Pass {
  public:
+  // Counts what the consumer receives (Pipeline::state).
+  ~Pass() {
+    if (progress_) progress_->live = false;
+  }
+  Pass(Pass&&) noexcept = default;
+
   class iterator {
    public:
     using value_type = T;
@@ -248,7 +391,7 @@ class Pipeline<T>::Pass {
     T* operator->() const { return &**current_; }
     iterator& operator++() {
       current_->reset();
-      if (std::optional<T> item = node_->next()) current_->emplace(std::move(*item));
+      if (std::optional<T> item = counted_next(*node_, *progress_)) current_->emplace(std::move(*item));
       return *this;
     }
     void operator++(int) { ++*this; }
@@ -258,25 +401,55 @@ class Pipeline<T>::Pass {
 
    private:
     friend class Pass;
-    explicit iterator(Node<T>& node)
-        : node_(&node), current_(std::make_unique<std::optional<T>>()) {
+    iterator(Node<T>& node, PassProgress& progress)
+        : node_(&node), progress_(&progress), current_(std::make_unique<std::optional<T>>()) {
       ++*this;
     }
     Node<T>* node_ = nullptr;
+    PassProgress* progress_ = nullptr;
     std::unique_ptr<std::optional<T>> current_;  // on the heap: see DataLoader::iterator
   };
 
   // The blocking and non-blocking next of the pass's last node.
-  std::optional<T> next() { return node_.next(); }
-  Poll try_next(std::optional<T>& out) { return node_.try_next(out); }
+  std::optional<T> next() { return counted_next(node_, *progress_); }
+  Poll try_next(std::optional<T>& out) {
+    Poll poll = Poll::pending;
+    try {
+      poll = node_.try_next(out);
+    } catch (...) {
+      ++progress_->received;
+      ++progress_->errors;
+      throw;
+    }
+    if (poll == Poll::ready) ++progress_->received;
+    if (poll == Poll::end) progress_->ended = true;
+    return poll;
+  }
 
-  iterator begin() { return iterator(node_); }
+  iterator begin() { return iterator(node_, *progress_); }
   std::default_sentinel_t end() const noexcept { return {}; }
 
  private:
   friend class Pipeline;
-  explicit Pass(Node<T>& node) : node_(node) {}
+  Pass(Node<T>& node, std::shared_ptr<PassProgress> progress) : node_(node), progress_(std::move(progress)) {}
+  static std::optional<T> counted_next(Node<T>& node, PassProgress& progress) {
+    std::optional<T> item;
+    try {
+      item = node.next();
+    } catch (...) {
+      ++progress.received;
+      ++progress.errors;
+      throw;
+    }
+    if (item) {
+      ++progress.received;
+    } else {
+      progress.ended = true;
+    }
+    return item;
+  }
   Node<T>& node_;
+  std::shared_ptr<PassProgress> progress_;
 };
 
 // `pipeline | adaptor`: an adaptor is anything callable with a Pipeline<T>&&

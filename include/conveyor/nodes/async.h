@@ -65,6 +65,7 @@
 
 #include "conveyor/data_error.h"
 #include "conveyor/detail/worker_scope.h"
+#include "conveyor/detail/decision_log.h"
 #include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
@@ -314,6 +315,7 @@ class AsyncMap : public Stage<In, Out> {
     const auto capacity = static_cast<size_t>(options_.max_in_flight);
     tickets_.resize(capacity);
     positions_.resize(capacity);
+    inputs_of_.resize(capacity);
     upstream_error_.resize(capacity);
     if (!options_.in_order) {
       free_.reserve(capacity);
@@ -351,11 +353,70 @@ class AsyncMap : public Stage<In, Out> {
 
   ~AsyncMap() override { abandon(); }  // completions out now return false
 
+  using Node<Out>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    Stage<In, Out>::reset(pass, walk);
+    log_.clear();
+    replay_.clear();
+    replay_at_ = 0;
+    drop_.clear();
+    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
+      replay_ = saved->at("inputs").as_uint_list("inputs");
+    }
+  }
+  // As a parallel map's (ParallelMap::skip): in order, one output per input
+  // without fn starting; out of order, the saved log's inputs. Unlike a
+  // parallel map, an async map with in_order = false does not hand its
+  // saved order out again when a node after it replays by pulling (filter,
+  // flat_map, OnError::skip): such a resumed pass is exact as a set only
+  // up to the first such node.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (options_.in_order) {
+      if (options_.on_error == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
+      const uint64_t skipped = this->skip_upstream(count, clean);
+      inputs_ += skipped;
+      return skipped;
+    }
+    // Called again (a mux skips item by item): the saved log goes on.
+    const size_t end = std::min<size_t>(replay_.size(), replay_at_ + count);
+    const uint64_t logged = end - replay_at_;
+    std::vector<uint64_t> delivered(replay_.begin(), replay_.begin() + static_cast<std::ptrdiff_t>(end));
+    std::sort(delivered.begin(), delivered.end());
+    uint64_t prefix = 0;
+    while (prefix < delivered.size() && delivered[prefix] == prefix) ++prefix;
+    if (clean) {
+      if (prefix > inputs_) this->skip_upstream(prefix - inputs_, true);
+    } else {
+      for (uint64_t k = inputs_; k < prefix; ++k) {
+        try {
+          if (!this->pull()) break;
+        } catch (...) {
+          // Upstream failed there before too; the failure was handed out.
+        }
+      }
+    }
+    inputs_ = std::max(inputs_, prefix);
+    drop_.assign(delivered.begin() + static_cast<std::ptrdiff_t>(prefix), delivered.end());
+    for (size_t k = replay_at_; k < end; ++k) log_.append(static_cast<uint32_t>(replay_[k]));
+    replay_at_ = end;
+    return logged + (count > logged ? Stage<In, Out>::skip(count - logged, clean) : 0);
+  }
+  void save_extras(State& nodes) const override {
+    if (!options_.in_order) {
+      State mine = State::object();
+      const std::vector<uint32_t> inputs = log_.read_all();
+      mine.set("inputs", State::list(std::vector<uint64_t>(inputs.begin(), inputs.end())));
+      nodes.set(std::to_string(this->id_), std::move(mine));
+    }
+    Stage<In, Out>::save_extras(nodes);
+  }
+
  protected:
   // Abandons the window: completions out deliver into it and are ignored.
   void stop_pass() override { abandon(); }
   void start_pass() override {
     upstream_done_ = false;
+    inputs_ = 0;
     occupancy_takes_.clear();
     occupancy_sum_.clear();
     busy_ns_.clear();
@@ -385,6 +446,7 @@ class AsyncMap : public Stage<In, Out> {
   void fill(bool blocking) {
     while (!upstream_done_ && has_room()) {
       std::optional<In> item;
+      const uint64_t input = inputs_;
       try {
         if (blocking) {
           item = this->pull();
@@ -397,8 +459,11 @@ class AsyncMap : public Stage<In, Out> {
           }
         }
       } catch (...) {
+        ++inputs_;
+        if (dropped(input)) continue;
         const uint32_t index = claim();
         upstream_error_[index] = std::current_exception();
+        inputs_of_[index] = input;
         if (!options_.in_order) ready_.push_back(index);
         continue;
       }
@@ -406,8 +471,15 @@ class AsyncMap : public Stage<In, Out> {
         upstream_done_ = true;
         return;
       }
-      start(std::move(*item));
+      ++inputs_;
+      if (dropped(input)) continue;
+      start(std::move(*item), input);
     }
+  }
+  // A resumed pass with in_order = false: handed out before the state was
+  // taken, so not again.
+  bool dropped(uint64_t input) const {
+    return !drop_.empty() && std::binary_search(drop_.begin(), drop_.end(), input);
   }
 
   // The next slot and ticket: in order, ticket t lives in slot (t - 1) %
@@ -427,11 +499,12 @@ class AsyncMap : public Stage<In, Out> {
     return index;
   }
 
-  void start(In&& item) {
+  void start(In&& item, uint64_t input) {
     Window& w = window();
     const uint32_t index = claim();
     const uint64_t ticket = tickets_[index];
     positions_[index] = this->position();
+    inputs_of_[index] = input;
     // release: pairs with a completer's acquire compare-exchange in
     // deliver(): the slot was cleared (take()) before this store.
     w.slot(index).word.store(ticket << 2 | Window::kRunning, std::memory_order_release);
@@ -501,6 +574,10 @@ class AsyncMap : public Stage<In, Out> {
     std::exception_ptr error = std::exchange(s.error, nullptr);
     s.dropped = false;
     if (!options_.in_order) free_.push_back(index);
+    // Out of order, what is handed out (a failure too) is logged for a
+    // state; an item dropped under OnError::skip is not handed out.
+    const bool handed_out = !error || upstream_error || options_.on_error != OnError::skip;
+    if (!options_.in_order && handed_out) log_.append(static_cast<uint32_t>(inputs_of_[index]));
     if (upstream_error) std::rethrow_exception(upstream_error);  // named upstream already
     if (error) {
       if (options_.on_error == OnError::skip) {
@@ -549,6 +626,14 @@ class AsyncMap : public Stage<In, Out> {
   uint64_t next_ticket_ = 1;       // unique within a window (and beyond: never reset)
   std::vector<uint64_t> tickets_;  // by slot: the ticket of the item in it
   std::vector<uint64_t> positions_;                 // by slot: the item's input position
+  std::vector<uint64_t> inputs_of_;                 // by slot: its number among upstream's outputs
+  uint64_t inputs_ = 0;                             // upstream's outputs pulled this pass, failures included
+  // in_order = false: the inputs handed out this pass, the saved ones of a
+  // resumed pass, those not to hand out again (sorted). See ParallelMap.
+  conveyor::detail::DecisionLog log_;
+  std::vector<uint64_t> replay_;
+  size_t replay_at_ = 0;
+  std::vector<uint64_t> drop_;
   std::vector<std::exception_ptr> upstream_error_;  // by slot: an upstream error holding the place
   std::vector<uint32_t> free_;                      // out of order: free slots
   std::deque<uint32_t> ready_;                      // out of order: delivered, not yet taken

@@ -49,6 +49,14 @@ class Batch final : public Stage<T, std::vector<T>> {
     return out;
   }
   std::string name() const override { return "batch(" + std::to_string(size_) + ")"; }
+  // `size` items a batch when none failed (a failed item would not have
+  // been in its batch).
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage<T, std::vector<T>>::skip(count, clean);
+    const uint64_t items = this->skip_upstream(count * size_, clean);
+    const uint64_t batches = drop_last_ ? items / size_ : (items + size_ - 1) / size_;
+    return std::min(count, batches);
+  }
 
  protected:
   void start_pass() override { items_.clear(); }
@@ -84,6 +92,10 @@ class Collate final : public Stage<Items, std::remove_cvref_t<std::invoke_result
     }
   }
   std::string name() const override { return "collate"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage<Items, Out>::skip(count, clean);
+    return this->skip_upstream(count, clean);
+  }
 
  private:
   Fn fn_;

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "conveyor/detail/decision_log.h"
 #include "conveyor/generator.h"
 #include "conveyor/node.h"
 #include "conveyor/nodes/stage.h"
@@ -40,6 +41,15 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
     pending_a_.reset();
   }
   std::string name() const override { return "zip"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return MeteredNode<item_type>::skip(count, clean);
+    const uint64_t from_a = a_->skip(count, clean);
+    return std::min(from_a, b_->skip(from_a, clean));
+  }
+  void save_extras(State& nodes) const override {
+    a_->save_extras(nodes);
+    b_->save_extras(nodes);
+  }
 
  private:
   std::optional<item_type> produce() override {
@@ -86,6 +96,9 @@ class Merge : public MeteredNode<T> {
     cursor_ = 0;
     produced_ = 0;
   }
+  void save_extras(State& nodes) const override {
+    for (const auto& source : sources_) source->save_extras(nodes);
+  }
 
  protected:
   explicit Merge(std::vector<Pipeline<T>>&& sources) {
@@ -118,6 +131,22 @@ class Mux final : public Merge<T> {
  public:
   explicit Mux(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources)) {}
   std::string name() const override { return "mux"; }
+  // The rotation replayed, each source skipping its turn's item (a failed
+  // item took its turn too).
+  uint64_t skip(uint64_t count, bool clean) override {
+    uint64_t skipped = 0;
+    while (skipped < count && this->active_count_ > 0) {
+      const size_t i = this->cursor_;
+      this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
+      if (!this->active_[i]) continue;
+      if (this->sources_[i]->skip(1, clean) == 1) {
+        ++skipped;
+      } else {
+        this->retire(i);
+      }
+    }
+    return skipped;
+  }
 
  private:
   std::optional<T> produce() override {
@@ -153,25 +182,43 @@ class WeightedMux final : public Merge<T> {
     }
   }
   std::string name() const override { return "weighted_mux"; }
+  // The picks replayed (their seeds are their numbers), each picked source
+  // skipping its item.
+  uint64_t skip(uint64_t count, bool clean) override {
+    uint64_t skipped = 0;
+    while (skipped < count && this->active_count_ > 0) {
+      const size_t i = pick();
+      if (this->sources_[i]->skip(1, clean) == 1) {
+        ++skipped;
+      } else {
+        this->retire(i);
+      }
+    }
+    return skipped;
+  }
 
  private:
+  // Each pick draws from the item's own seed: the sequence of picks is the
+  // same for the same pass.
+  size_t pick() {
+    Generator generator = Generator::for_item(item_seed(this->pass_, this->id_, this->produced_++));
+    double total = 0;
+    for (size_t i = 0; i < weights_.size(); ++i) total += this->active_[i] ? weights_[i] : 0;
+    double u = uniform(generator) * total;
+    size_t picked = 0;
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      if (!this->active_[i]) continue;
+      picked = i;
+      if (u < weights_[i]) break;
+      u -= weights_[i];
+    }
+    return picked;
+  }
   std::optional<T> produce() override {
     while (this->active_count_ > 0) {
-      // Each pick draws from the item's own seed: the sequence of picks is
-      // the same for the same pass.
-      Generator generator = Generator::for_item(item_seed(this->pass_, this->id_, this->produced_++));
-      double total = 0;
-      for (size_t i = 0; i < weights_.size(); ++i) total += this->active_[i] ? weights_[i] : 0;
-      double u = uniform(generator) * total;
-      size_t pick = 0;
-      for (size_t i = 0; i < weights_.size(); ++i) {
-        if (!this->active_[i]) continue;
-        pick = i;
-        if (u < weights_[i]) break;
-        u -= weights_[i];
-      }
-      if (std::optional<T> item = this->pull(pick)) return item;
-      this->retire(pick);
+      const size_t i = pick();
+      if (std::optional<T> item = this->pull(i)) return item;
+      this->retire(i);
     }
     return std::nullopt;
   }
@@ -184,6 +231,9 @@ Pipeline<T> weighted_mux(std::vector<Pipeline<T>> sources, std::vector<double> w
   return Pipeline<T>(std::make_unique<WeightedMux<T>>(std::move(sources), std::move(weights)));
 }
 
+// Which source each item came from depends on timing, so join logs it
+// (DecisionLog: 4 bytes an item this pass) and a state holds the log, run-
+// length coded; a resumed pass skips each source by its count.
 template <class T>
 class Join final : public Merge<T> {
  public:
@@ -191,8 +241,78 @@ class Join final : public Merge<T> {
   Poll try_next(std::optional<T>& out) override { return this->counted(poll(out)); }
   std::string name() const override { return "join"; }
 
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    Merge<T>::reset(pass, walk);
+    log_.clear();
+    replay_.clear();
+    replay_at_ = 0;
+    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
+      const std::vector<uint64_t> runs = saved->at("sources").as_uint_list("sources");
+      if (runs.size() % 2 != 0) throw StateError("load_state: join's 'sources' should hold (source, count) pairs");
+      for (size_t r = 0; r < runs.size(); r += 2) {
+        if (runs[r] >= this->sources_.size()) {
+          throw StateError("load_state: join's state names source " + std::to_string(runs[r]) + " of " +
+                           std::to_string(this->sources_.size()));
+        }
+        replay_.insert(replay_.end(), runs[r + 1], static_cast<uint32_t>(runs[r]));
+      }
+    }
+    saved_.set(std::vector<uint64_t>(replay_.begin(), replay_.end()));
+  }
+  uint64_t skip(uint64_t count, bool clean) override {
+    const size_t end = std::min<size_t>(replay_.size(), replay_at_ + count);
+    const uint64_t logged = end - replay_at_;
+    std::vector<uint64_t> per_source(this->sources_.size(), 0);
+    for (size_t k = replay_at_; k < end; ++k) ++per_source[replay_[k]];
+    for (size_t i = 0; i < per_source.size(); ++i) {
+      if (per_source[i] > 0 && this->sources_[i]->skip(per_source[i], clean) < per_source[i]) {
+        throw StateError("load_state: join's source " + std::to_string(i) + " ended before the " +
+                         std::to_string(per_source[i]) + " items the state took from it");
+      }
+    }
+    for (size_t k = replay_at_; k < end; ++k) log_.append(replay_[k]);
+    replay_at_ = end;
+    return logged + (count > logged ? Merge<T>::skip(count - logged, clean) : 0);
+  }
+  void save_extras(State& nodes) const override {
+    std::vector<uint64_t> runs;
+    for (const uint64_t source : saved_.with(log_)) {
+      if (!runs.empty() && runs[runs.size() - 2] == source) {
+        ++runs.back();
+      } else {
+        runs.push_back(source);
+        runs.push_back(1);
+      }
+    }
+    State mine = State::object();
+    mine.set("sources", State::list(runs));
+    nodes.set(std::to_string(this->id_), std::move(mine));
+    Merge<T>::save_extras(nodes);
+  }
+
  private:
+  // A resumed pass whose outputs a node downstream takes again by pulling
+  // (a filter, say): they come from the saved sources in the saved order.
+  std::optional<T> replay() {
+    const size_t i = replay_[replay_at_++];
+    std::optional<T> item;
+    try {
+      item = this->pull(i);
+    } catch (...) {
+      log_.append(static_cast<uint32_t>(i));
+      throw;
+    }
+    if (!item) {
+      throw StateError("load_state: join's source " + std::to_string(i) +
+                       " ends before the items the saved pass took from it");
+    }
+    log_.append(static_cast<uint32_t>(i));
+    return item;
+  }
+
   std::optional<T> produce() override {
+    if (replay_at_ < replay_.size()) return replay();
     std::optional<T> out;
     while (this->active_count_ > 0) {
       const Poll polled = poll(out);
@@ -200,16 +320,39 @@ class Join final : public Merge<T> {
       if (polled == Poll::end) return std::nullopt;
       // Nothing ready anywhere: wait on the next source in the rotation.
       const size_t i = next_active();
-      if (std::optional<T> item = this->pull(i)) return item;
+      std::optional<T> item;
+      try {
+        item = this->pull(i);
+      } catch (...) {
+        log_.append(static_cast<uint32_t>(i));  // a failed item came from there too
+        throw;
+      }
+      if (item) {
+        log_.append(static_cast<uint32_t>(i));
+        return item;
+      }
       this->retire(i);
     }
     return std::nullopt;
   }
   Poll poll(std::optional<T>& out) {
+    if (replay_at_ < replay_.size()) {
+      out = replay();
+      return Poll::ready;
+    }
     for (size_t tried = 0; tried < this->sources_.size() && this->active_count_ > 0; ++tried) {
       const size_t i = next_active();
-      const Poll poll = this->sources_[i]->try_next(out);
-      if (poll == Poll::ready) return Poll::ready;
+      Poll poll = Poll::pending;
+      try {
+        poll = this->sources_[i]->try_next(out);
+      } catch (...) {
+        log_.append(static_cast<uint32_t>(i));
+        throw;
+      }
+      if (poll == Poll::ready) {
+        log_.append(static_cast<uint32_t>(i));
+        return Poll::ready;
+      }
       if (poll == Poll::end) this->retire(i);
     }
     return this->active_count_ > 0 ? Poll::pending : Poll::end;
@@ -220,6 +363,11 @@ class Join final : public Merge<T> {
     this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
     return i;
   }
+
+  conveyor::detail::DecisionLog log_;  // this pass: the source of each output
+  conveyor::detail::SavedDecisions saved_;
+  std::vector<uint32_t> replay_;       // a resumed pass: the saved log
+  size_t replay_at_ = 0;               // its entries skipped so far
 };
 
 template <class T>
@@ -258,6 +406,33 @@ class ForkState {
   // Upstream's metrics appear once, under the first consumer.
   void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
     if (consumer == 0) upstream_->collect_metrics(out);
+  }
+  void save_extras(size_t consumer, State& nodes) const {
+    if (consumer == 0) upstream_->save_extras(nodes);
+  }
+
+  // A resumed consumer takes its items as it did, buffering what the others
+  // (resumed after it) have not taken yet, past the buffer's limit: the
+  // consumers' saved places may be further apart than it allows until every
+  // one has skipped.
+  uint64_t skip(size_t consumer, uint64_t count) {
+    const size_t limit = std::exchange(buffer_limit_, std::numeric_limits<size_t>::max());
+    uint64_t skipped = 0;
+    try {
+      while (skipped < count) {
+        try {
+          if (!next(consumer)) break;
+        } catch (...) {
+          // A failed item is taken in its place, as next() would hand it out.
+        }
+        ++skipped;
+      }
+    } catch (...) {
+      buffer_limit_ = limit;
+      throw;
+    }
+    buffer_limit_ = limit;
+    return skipped;
   }
 
   std::optional<T> next(size_t consumer) {
@@ -310,6 +485,8 @@ class ForkOutput final : public MeteredNode<T> {
     this->start_metering(pass, walk.next_id++);
   }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
+  uint64_t skip(uint64_t count, bool) override { return state_->skip(consumer_, count); }
+  void save_extras(State& nodes) const override { state_->save_extras(consumer_, nodes); }
 
  private:
   std::optional<T> produce() override { return state_->next(consumer_); }

@@ -47,6 +47,12 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
     return std::nullopt;
   }
   std::string name() const override { return "map"; }
+  // One output per input, without running f (a failed item was an output
+  // too), unless failures are dropped (OnError::skip).
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (on_error_ == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
+    return this->skip_upstream(count, clean);
+  }
 
  private:
   F f_;

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -30,6 +31,7 @@
 #include "conveyor/buffer.h"
 #include "conveyor/data_error.h"
 #include "conveyor/detail/buffer_pool.h"
+#include "conveyor/detail/decision_log.h"
 #include "conveyor/detail/engine.h"
 #include "conveyor/detail/sequenced_window.h"
 #include "conveyor/detail/worker_scope.h"
@@ -62,6 +64,7 @@ struct Result {
   std::optional<T> value;
   std::exception_ptr error;
   uint64_t position = 0;  // the input item's
+  uint64_t input = 0;     // map: its number among upstream's outputs, failures included
   bool end = false;       // prefetch: upstream had no more
   int64_t busy_ns = 0;    // timed passes: the worker's time on it
 };
@@ -148,10 +151,68 @@ class ParallelMap final
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
     executor_.join(walk, options_.workers);
+    log_.clear();
+    replay_.clear();
+    replay_at_ = 0;
+    drop_.clear();
+    pending_.clear();
+    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
+      replay_ = saved->at("inputs").as_uint_list("inputs");
+    }
+    saved_.set(replay_);
+  }
+
+  // In order, one output per input: upstream skips without f running (a
+  // failed item was an output too), unless failures are dropped. With
+  // in_order = false the outputs were the inputs the saved log lists:
+  // upstream skips the prefix they cover, and the rest are dropped when
+  // pulled again.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (options_.in_order) {
+      if (options_.on_error == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
+      const uint64_t skipped = this->skip_upstream(count, clean);
+      inputs_ += skipped;
+      return skipped;
+    }
+    // Called again (a mux skips item by item): the saved log goes on.
+    const size_t end = std::min<size_t>(replay_.size(), replay_at_ + count);
+    const uint64_t logged = end - replay_at_;
+    std::vector<uint64_t> delivered(replay_.begin(), replay_.begin() + static_cast<std::ptrdiff_t>(end));
+    std::sort(delivered.begin(), delivered.end());
+    uint64_t prefix = 0;
+    while (prefix < delivered.size() && delivered[prefix] == prefix) ++prefix;
+    if (clean) {
+      if (prefix > inputs_) this->skip_upstream(prefix - inputs_, true);
+    } else {
+      for (uint64_t k = inputs_; k < prefix; ++k) {
+        try {
+          if (!this->pull()) break;
+        } catch (...) {
+          // Upstream failed there before too; the failure was handed out.
+        }
+      }
+    }
+    inputs_ = std::max(inputs_, prefix);
+    drop_.assign(delivered.begin() + static_cast<std::ptrdiff_t>(prefix), delivered.end());
+    for (size_t k = replay_at_; k < end; ++k) log_.append(static_cast<uint32_t>(replay_[k]));
+    replay_at_ = end;
+    return logged + (count > logged ? Stage<In, Out>::skip(count - logged, clean) : 0);
+  }
+  // With in_order = false: the inputs handed out, in their order.
+  void save_extras(State& nodes) const override {
+    if (!options_.in_order) {
+      State mine = State::object();
+      mine.set("inputs", State::list(saved_.with(log_)));
+      nodes.set(std::to_string(this->id_), std::move(mine));
+    }
+    Stage<In, Out>::save_extras(nodes);
   }
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
+    while (replay_at_ < replay_.size()) {
+      if (replay(out)) return out;
+    }
     while (true) {
       fill();
       if (window().in_flight() == 0) return std::nullopt;
@@ -170,6 +231,7 @@ class ParallelMap final
   void start_pass() override {
     upstream_done_ = false;
     upstream_error_ = nullptr;
+    inputs_ = 0;
     occupancy_.clear();
     worker_busy_ns_.clear();
   }
@@ -184,6 +246,9 @@ class ParallelMap final
   using Window = conveyor::detail::SequencedWindow<detail::Result<Out>, std::optional<In>>;
 
   Poll poll(std::optional<Out>& out) {
+    while (replay_at_ < replay_.size()) {
+      if (replay(out)) return Poll::ready;
+    }
     while (true) {
       fill();
       if (window().in_flight() == 0) return Poll::end;
@@ -213,27 +278,101 @@ class ParallelMap final
   // instead left the caller an empty window, which reads as the end of the
   // pass: the error and every item after it were lost.)
   void fill() {
-    while (!upstream_done_ && !upstream_error_ && window().has_room()) {
+    // What a replay pulled ahead of its turn goes first, in input order.
+    while (!pending_.empty() && !upstream_error_ && window().has_room()) {
+      auto first = pending_.begin();
+      if (first->second.error) {
+        upstream_error_ = first->second.error;
+        upstream_error_input_ = first->first;
+      } else {
+        window().next_input().emplace(std::move(*first->second.item));
+        window().next_payload().position = first->second.position;
+        window().next_payload().input = first->first;
+        window().submit();
+      }
+      pending_.erase(first);
+    }
+    while (pending_.empty() && !upstream_done_ && !upstream_error_ && window().has_room()) {
       std::optional<In> item;
+      const uint64_t input = inputs_;
       try {
         item = this->pull();
       } catch (...) {
+        ++inputs_;
+        if (dropped(input)) continue;
         upstream_error_ = std::current_exception();
+        upstream_error_input_ = input;
         break;
       }
       if (!item) {
         upstream_done_ = true;
         return;
       }
+      ++inputs_;
+      if (dropped(input)) continue;
       // What f leaves of the input is freed when its result is taken, on
       // this thread, which made it (glibc's per-thread cache takes it back
       // cheaply; a batch of samples f only reads is all of it).
       window().next_input().emplace(std::move(*item));
       window().next_payload().position = this->position();
+      window().next_payload().input = input;
       window().submit();
     }
     if (!upstream_error_ || window().in_flight() > 0) return;
+    if (!options_.in_order) log_.append(static_cast<uint32_t>(upstream_error_input_));
     std::rethrow_exception(std::exchange(upstream_error_, nullptr));
+  }
+  // A resumed pass with in_order = false: handed out before the state was
+  // taken, so not again.
+  bool dropped(uint64_t input) const {
+    return !drop_.empty() && std::binary_search(drop_.begin(), drop_.end(), input);
+  }
+
+  // A resumed pass with in_order = false whose outputs a node downstream
+  // takes again by pulling (a filter, say): they come in the saved order,
+  // each made on this thread when its turn comes. Inputs pulled before
+  // their turn wait in pending_ (as many as the saved order was ahead of
+  // input order: at most a window); fill() submits what is left of them
+  // first once the replay is over. True with an item in `out`.
+  bool replay(std::optional<Out>& out) {
+    const uint64_t wanted = replay_[replay_at_++];
+    while (inputs_ <= wanted) {
+      const uint64_t input = inputs_;
+      Pending pending;
+      try {
+        pending.item = this->pull();
+        if (!pending.item) {
+          throw StateError("load_state: " + name() + "'s input " + std::to_string(wanted) +
+                           " was handed out before the state was taken, but upstream ends before it now");
+        }
+      } catch (const StateError&) {
+        throw;
+      } catch (...) {
+        pending.error = std::current_exception();
+      }
+      ++inputs_;
+      pending.position = this->position();
+      if (!dropped(input)) pending_.emplace(input, std::move(pending));
+    }
+    auto it = pending_.find(wanted);
+    if (it == pending_.end()) {
+      throw StateError("load_state: " + name() + "'s saved order names input " + std::to_string(wanted) + " twice");
+    }
+    Pending pending = std::move(it->second);
+    pending_.erase(it);
+    log_.append(static_cast<uint32_t>(wanted));
+    if (pending.error) std::rethrow_exception(pending.error);  // upstream's, named there
+    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, pending.position));
+    try {
+      out.emplace(std::as_const(f_)(std::move(*pending.item)));
+      return true;
+    } catch (...) {
+      if (options_.on_error == OnError::skip) {
+        this->meter_.skipped.add(1);
+        return false;
+      }
+      conveyor::detail::throw_node_error(name(), pending.position);
+    }
   }
 
   bool take(typename Window::Taken&& taken, std::optional<Out>& out) {
@@ -245,12 +384,14 @@ class ParallelMap final
         this->meter_.skipped.add(1);
         return false;
       }
+      if (!options_.in_order) log_.append(static_cast<uint32_t>(result.input));
       try {
         std::rethrow_exception(result.error);
       } catch (...) {
         conveyor::detail::throw_node_error(name(), result.position);
       }
     }
+    if (!options_.in_order) log_.append(static_cast<uint32_t>(result.input));
     out = std::move(result.value);
     return true;
   }
@@ -278,6 +419,23 @@ class ParallelMap final
   MapOptions options_;
   bool upstream_done_ = false;
   std::exception_ptr upstream_error_;
+  uint64_t upstream_error_input_ = 0;
+  uint64_t inputs_ = 0;  // upstream's outputs pulled this pass, failures included
+  // in_order = false: the inputs handed out this pass (their order is
+  // timing's), the saved ones of a resumed pass, and those not to hand out
+  // again (sorted).
+  conveyor::detail::DecisionLog log_;
+  conveyor::detail::SavedDecisions saved_;  // replay_, for a state taken before the log catches up
+  std::vector<uint64_t> replay_;
+  size_t replay_at_ = 0;  // replay_'s entries before it are handed out again
+  std::vector<uint64_t> drop_;
+  // Pulled during a replay before their turn, by input.
+  struct Pending {
+    std::optional<In> item;
+    std::exception_ptr error;
+    uint64_t position = 0;
+  };
+  std::map<uint64_t, Pending> pending_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts
@@ -338,6 +496,10 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     return Poll::end;
   }
   std::string name() const override { return "prefetch(" + std::to_string(depth_) + ")"; }
+  // Before the strand runs a job of the pass (reset cancelled the last):
+  // upstream is this thread's until the first submit hands it over.
+  uint64_t skip(uint64_t count, bool clean) override { return upstream_->skip(count, clean); }
+  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
 
   // Upstream runs on the strand: its counts may be a few items behind what
   // the strand has done by now.

@@ -13,6 +13,7 @@
 //                 cache where passes are read whole.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -34,6 +35,10 @@ class Take final : public Stage<T, T> {
     return this->pull();
   }
   std::string name() const override { return "take(" + std::to_string(count_) + ")"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage<T, T>::skip(count, clean);
+    return this->skip_upstream(std::min(count, count_ - std::min(count_, this->position_)), clean);
+  }
 
  private:
   uint64_t count_;
@@ -53,11 +58,32 @@ class Repeat final : public MeteredNode<T> {
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     walk_at_start_ = walk;
+    // Later rounds start afresh: what a state saved for upstream nodes is of
+    // the round it was in, and a resumed pass replays rounds from the first.
+    walk_at_start_.restoring = nullptr;
     pass_ = pass;
     round_ = 0;
+    empty_round_ = true;
     upstream_->reset(round_pass(0), walk);
     this->start_metering(pass, walk.next_id++);
   }
+  // Round by round, as produce() goes.
+  uint64_t skip(uint64_t count, bool clean) override {
+    uint64_t skipped = 0;
+    while (round_ < times_ && skipped < count) {
+      const uint64_t n = upstream_->skip(count - skipped, clean);
+      skipped += n;
+      if (n > 0) empty_round_ = false;
+      if (skipped == count) break;
+      if (empty_round_) break;  // nothing in a whole round: the end
+      if (++round_ == times_) break;
+      empty_round_ = true;
+      conveyor::detail::ResetWalk walk = walk_at_start_;
+      upstream_->reset(round_pass(round_), walk);
+    }
+    return skipped;
+  }
+  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
   std::optional<T> produce() override {
     while (round_ < times_) {
       std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
@@ -113,9 +139,12 @@ class Cache final : public MeteredNode<T> {
   explicit Cache(NodePtr<T> upstream) : upstream_(std::move(upstream)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    replaying_ = complete_;
     position_ = 0;
     const uint64_t first_upstream_id = walk.next_id;
+    // A resumed pipeline whose saved cache was complete fills it as the pass
+    // that filled it did, then replays it.
+    if (!complete_ && walk.restoring) fill_as_saved(pass, walk);
+    replaying_ = complete_;
     if (replaying_) {
       // Upstream is not reset: downstream ids and sharding stay as they were.
       walk.next_id += upstream_ids_;
@@ -125,7 +154,9 @@ class Cache final : public MeteredNode<T> {
       upstream_->reset(pass, walk);
       upstream_ids_ = walk.next_id - first_upstream_id;
       sharded_upstream_ = walk.sharded;
+      filling_pass_ = pass;
     }
+    complete_at_reset_ = complete_;
     this->start_metering(pass, walk.next_id++);
   }
   std::optional<T> produce() override {
@@ -142,14 +173,63 @@ class Cache final : public MeteredNode<T> {
     return item;
   }
   std::string name() const override { return "cache"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!replaying_) return MeteredNode<T>::skip(count, clean);
+    const uint64_t skipped = std::min<uint64_t>(count, filling_.size() - position_);
+    position_ += static_cast<size_t>(skipped);
+    return skipped;
+  }
+  // A complete cache says which pass filled it: a new process resuming
+  // after that pass fills it the same way. Read as of the last reset (the
+  // consumer's thread), not as the pass goes on.
+  void save_extras(State& nodes) const override {
+    if (complete_at_reset_) {
+      State mine = State::object();
+      mine.set("filled_in_epoch", filling_pass_.epoch);
+      mine.set("filled_with_seed", filling_pass_.seed);
+      nodes.set(std::to_string(this->id_), std::move(mine));
+    }
+    upstream_->save_extras(nodes);
+  }
 
  private:
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
+
+  // This node's id comes after upstream's, which a first reset learns.
+  void fill_as_saved(const PassContext& pass, const conveyor::detail::ResetWalk& walk) {
+    conveyor::detail::ResetWalk probe = walk;
+    probe.restoring = nullptr;
+    upstream_->reset(pass, probe);
+    const State* saved = conveyor::detail::restored_extras(walk, probe.next_id);
+    if (!saved) return;
+    PassContext filling = pass;
+    filling.epoch = saved->uint_at("filled_in_epoch");
+    filling.seed = saved->uint_at("filled_with_seed");
+    conveyor::detail::ResetWalk fill_walk = walk;
+    fill_walk.restoring = nullptr;
+    upstream_->reset(filling, fill_walk);
+    filling_.clear();
+    while (true) {
+      try {
+        std::optional<T> item = upstream_->next();
+        if (!item) break;
+        filling_.push_back(std::move(*item));
+      } catch (...) {
+        // A failed item was never cached.
+      }
+    }
+    upstream_ids_ = fill_walk.next_id - walk.next_id;
+    sharded_upstream_ = fill_walk.sharded;
+    filling_pass_ = filling;
+    complete_ = true;
+  }
 
   NodePtr<T> upstream_;
   std::vector<T> filling_;  // the items of the first pass, complete once complete_
   bool complete_ = false;
   bool replaying_ = false;
+  bool complete_at_reset_ = false;
+  PassContext filling_pass_;  // the pass that filled (or fills) the cache
   size_t position_ = 0;
   uint64_t upstream_ids_ = 0;  // how many ids upstream takes
   bool sharded_upstream_ = false;

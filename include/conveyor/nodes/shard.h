@@ -33,6 +33,19 @@ class Shard final : public MeteredNode<T> {
     position_ = 0;
   }
   std::string name() const override { return "shard"; }
+  // Upstream skips to the count-th item this shard keeps.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return MeteredNode<T>::skip(count, clean);
+    if (count == 0) return 0;
+    const uint64_t first_kept = position_ + (index_ + count_ - position_ % count_) % count_;
+    const uint64_t wanted = first_kept + (count - 1) * count_ + 1 - position_;
+    const uint64_t passed = upstream_->skip(wanted, clean);
+    const uint64_t end = position_ + passed;
+    const uint64_t kept = end > first_kept ? (end - first_kept + count_ - 1) / count_ : 0;
+    position_ = end;
+    return std::min(count, kept);
+  }
+  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
 
  private:
   std::optional<T> produce() override {

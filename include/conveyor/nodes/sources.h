@@ -10,6 +10,7 @@
 // as its WorkerInfo and splits itself, as PyTorch's workers do).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -55,6 +56,12 @@ class VectorSource final : public Source<T> {
     return (*items_)[index];
   }
   std::string name() const override { return "from_vector"; }
+  uint64_t skip(uint64_t count, bool) override {
+    const size_t left = next_ < items_->size() ? (items_->size() - next_ + stride_.step - 1) / stride_.step : 0;
+    const uint64_t skipped = std::min<uint64_t>(count, left);
+    next_ += static_cast<size_t>(skipped) * stride_.step;
+    return skipped;
+  }
 
  private:
   std::shared_ptr<const std::vector<T>> items_;
@@ -85,6 +92,12 @@ class RangeSource final : public Source<int64_t> {
     return value;
   }
   std::string name() const override { return "from_range"; }
+  uint64_t skip(uint64_t count, bool) override {
+    const uint64_t left = next_ < end_ ? static_cast<uint64_t>((end_ - next_ + step_ - 1) / step_) : 0;
+    const uint64_t skipped = std::min(count, left);
+    next_ += static_cast<int64_t>(skipped) * step_;
+    return skipped;
+  }
 
  private:
   int64_t begin_, end_;
@@ -131,6 +144,15 @@ class MapDatasetSource final : public Source<sample_t<D>> {
     }
   }
   std::string name() const override { return "from_map_dataset"; }
+  // The sampler's indices, without get(): a failed get() was an output too.
+  uint64_t skip(uint64_t count, bool) override {
+    uint64_t skipped = 0;
+    size_t index = 0;
+    while (skipped < count && indices_->next(index)) {
+      if (position_++ % stride_.step == stride_.first) ++skipped;
+    }
+    return skipped;
+  }
 
  private:
   std::shared_ptr<D> dataset_;
@@ -187,6 +209,19 @@ class IterableSource final : public Source<sample_t<D>> {
     }
   }
   std::string name() const override { return "from_iterable"; }
+  // Through the stream's own skip() (SampleIterator::skip), when none of
+  // the samples passed over failed.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Source<T>::skip(count, clean);
+    if (!opened_) {
+      opened_ = true;
+      stream_ = dataset_->iter(&info_);
+    }
+    if (!stream_) return 0;
+    const uint64_t skipped = stream_->skip(count);
+    position_ += skipped;
+    return skipped;
+  }
 
  private:
   std::shared_ptr<D> dataset_;

@@ -183,6 +183,19 @@ class Stage : public MeteredNode<Out> {
   virtual void start_pass() {}
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
 
+ public:
+  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
+
+ protected:
+  // Passes over `count` upstream items as if pulled (Node::skip): for a node
+  // whose outputs map to its inputs by arithmetic. With `clean`, every one
+  // is an item, so positions count them all.
+  uint64_t skip_upstream(uint64_t count, bool clean) {
+    const uint64_t skipped = upstream_->skip(count, clean);
+    position_ += skipped;
+    return skipped;
+  }
+
   // The next upstream item, counting positions (the input's, for errors).
   std::optional<In> pull() {
     std::optional<In> item = this->meter_.wait([this] { return upstream_->next(); });

@@ -64,6 +64,10 @@ class PinMemory final : public Stage<T, T> {
     Stage<T, T>::reset(pinned, walk);
   }
   std::string name() const override { return "pin_memory"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage<T, T>::skip(count, clean);
+    return this->skip_upstream(count, clean);
+  }
 
  private:
   std::optional<T> produce() override { return this->pull(); }

@@ -35,6 +35,11 @@ class ListFiles final : public Source<std::string> {
     return paths_[next_++];
   }
   std::string name() const override { return "list_files"; }
+  uint64_t skip(uint64_t count, bool) override {
+    const uint64_t skipped = std::min<uint64_t>(count, paths_.size() - next_);
+    next_ += static_cast<size_t>(skipped);
+    return skipped;
+  }
 
  private:
   void list() {
@@ -78,6 +83,11 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
     }
   }
   std::string name() const override { return "read_files"; }
+  // One file a path, unread (a file that failed was an output too).
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage::skip(count, clean);
+    return skip_upstream(count, clean);
+  }
 
  private:
   std::vector<uint8_t> read(const std::string& path) const {
@@ -119,6 +129,10 @@ class DecodeImage final : public Stage<std::vector<uint8_t>, Array<uint8_t>> {
     }
   }
   std::string name() const override { return "decode_image"; }
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage::skip(count, clean);
+    return skip_upstream(count, clean);
+  }
 
  private:
   int channels_;

@@ -1,0 +1,296 @@
+// Pipeline::state / load_state: a pipeline stopped anywhere, saved, destroyed
+// and built anew (with other worker counts, or none) hands out exactly what
+// the uninterrupted run did after that point, then the passes after it.
+//
+// The property test draws random graphs (tests/support/random_pipeline.h:
+// maps on workers or not, in order or not, failures skipped or raised,
+// shuffle, batch, filter, flat_map, take, cache, mux, weighted_mux, zip,
+// prefetch) and stops each at a random item of a random pass, twice in that
+// pass. Its seed is printed; CONVEYOR_NODES_SEED=N replays it.
+#include <gtest/gtest.h>
+
+#include <conveyor/conveyor.h>
+#include <conveyor/nodes.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/pipelines.h"
+#include "support/random_pipeline.h"
+#include "support/sync.h"
+
+namespace {
+
+namespace nodes = conveyor::nodes;
+using conveyor::Pipeline;
+using conveyor::State;
+using conveyor::StateError;
+using conveyor::testing::property_seed;
+using conveyor::testing::random_pipeline;
+
+using Outcomes = std::vector<std::string>;
+
+// The next outcome of `pass` (an item, or an error as its node and
+// position), false at the end.
+template <class Pass>
+bool take_one(Pass& pass, Outcomes& out) {
+  try {
+    std::optional<int64_t> item = pass.next();
+    if (!item) return false;
+    out.push_back(std::to_string(*item));
+  } catch (const conveyor::NodeError& e) {
+    out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
+  }
+  return true;
+}
+
+Outcomes sorted(Outcomes outcomes) {
+  std::sort(outcomes.begin(), outcomes.end());
+  return outcomes;
+}
+
+TEST(PipelineResume, RandomGraphsResumeExactlyAnywhereWithAnyWorkerCount) {
+  const uint64_t seed = property_seed();
+  std::printf("pipeline resume seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
+  std::fflush(stdout);  // before a crash, too
+  std::mt19937_64 rng(seed);
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  const int graphs = 40;
+#else
+  const int graphs = 150;
+#endif
+  constexpr int kPasses = 3;
+  int unordered = 0, resumed_serially = 0;
+  for (int g = 0; g < graphs; ++g) {
+    const uint64_t graph_seed = rng();
+    bool ordered = true;
+    std::vector<Outcomes> reference;
+    {
+      auto pipeline = random_pipeline(std::mt19937_64(graph_seed), true, ordered);
+      pipeline.seed(graph_seed);
+      for (int e = 0; e < kPasses; ++e) {
+        auto pass = pipeline.pass();
+        Outcomes outcomes;
+        while (take_one(pass, outcomes)) {
+        }
+        reference.push_back(outcomes);
+      }
+    }
+    unordered += !ordered;
+    const auto stop_pass = static_cast<size_t>(rng() % kPasses);
+    const size_t length = reference[stop_pass].size();
+    const size_t stop_after = rng() % (length + 1);
+    const size_t second_stop = rng() % (length - stop_after + 1);
+    // A map handing items out as they finish resumes on workers (its serial
+    // form has no order of its own to replay); an ordered graph on any.
+    const bool serial_resume = ordered && rng() % 2 == 0;
+    resumed_serially += serial_resume;
+    SCOPED_TRACE("graph " + std::to_string(g) + " (seed " + std::to_string(graph_seed) + "): stop in pass " +
+                 std::to_string(stop_pass) + " after " + std::to_string(stop_after) + " of " +
+                 std::to_string(length) + ", again " + std::to_string(second_stop) + " later" +
+                 (serial_resume ? ", resumed without workers" : "") + (ordered ? "" : ", out of order"));
+
+    Outcomes before;
+    std::string saved;
+    {
+      auto pipeline = random_pipeline(std::mt19937_64(graph_seed), true, ordered);
+      pipeline.seed(graph_seed);
+      for (size_t e = 0; e < stop_pass; ++e) {
+        auto pass = pipeline.pass();
+        Outcomes ignored;
+        while (take_one(pass, ignored)) {
+        }
+      }
+      auto pass = pipeline.pass();
+      while (before.size() < stop_after) ASSERT_TRUE(take_one(pass, before));
+      saved = pipeline.state().to_json();
+    }
+    {
+      auto pipeline = random_pipeline(std::mt19937_64(graph_seed), !serial_resume, ordered);
+      pipeline.seed(graph_seed);
+      pipeline.load_state(State::from_json(saved));
+      auto pass = pipeline.pass();
+      while (before.size() < stop_after + second_stop) ASSERT_TRUE(take_one(pass, before));
+      saved = pipeline.state().to_json();
+    }
+    auto pipeline = random_pipeline(std::mt19937_64(graph_seed), !serial_resume, ordered);
+    pipeline.seed(graph_seed);
+    pipeline.load_state(State::from_json(saved));
+    Outcomes whole = before;
+    {
+      auto pass = pipeline.pass();
+      while (take_one(pass, whole)) {
+      }
+    }
+    if (ordered) {
+      ASSERT_EQ(whole, reference[stop_pass]) << "the resumed pass";
+    } else {
+      ASSERT_EQ(sorted(whole), sorted(reference[stop_pass])) << "the resumed pass, as a multiset";
+    }
+    for (size_t e = stop_pass + 1; e < kPasses; ++e) {
+      auto pass = pipeline.pass();
+      Outcomes outcomes;
+      while (take_one(pass, outcomes)) {
+      }
+      if (ordered) {
+        ASSERT_EQ(outcomes, reference[e]) << "pass " << e;
+      } else {
+        ASSERT_EQ(sorted(outcomes), sorted(reference[e])) << "pass " << e << ", as a multiset";
+      }
+    }
+  }
+  std::printf("%d graphs: %d out of order, %d resumed without workers\n", graphs, unordered, resumed_serially);
+}
+
+// Join's order is timing's: a resumed pass takes from each source what the
+// saved pass had not, whatever order it takes it in now; behind a filter
+// (which replays by pulling) it hands the saved order out again.
+TEST(PipelineResume, JoinResumesWithWhatEachSourceHadLeft) {
+  for (const bool filtered : {false, true}) {
+    auto make = [filtered] {
+      std::vector<Pipeline<int64_t>> sources;
+      sources.push_back(nodes::from_range(0, 200) | nodes::map([](int64_t x) {
+                          conveyor::testing::spin_delay(x % 5 == 0 ? 20000 : 0);
+                          return x;
+                        }, {.workers = 2}));
+      sources.push_back(nodes::from_range(1000, 1150) | nodes::prefetch(4));
+      Pipeline<int64_t> joined = nodes::join(std::move(sources));
+      if (filtered) joined = std::move(joined) | nodes::filter([](int64_t x) { return x % 3 != 0; });
+      return joined;
+    };
+    Outcomes expected;
+    for (int64_t x = 0; x < 200; ++x) {
+      if (!filtered || x % 3 != 0) expected.push_back(std::to_string(x));
+    }
+    for (int64_t x = 1000; x < 1150; ++x) {
+      if (!filtered || x % 3 != 0) expected.push_back(std::to_string(x));
+    }
+    for (int trial = 0; trial < 20; ++trial) {
+      Outcomes before;
+      std::string saved;
+      {
+        auto pipeline = make();
+        auto pass = pipeline.pass();
+        for (int i = 0; i < 5 + trial * 10; ++i) ASSERT_TRUE(take_one(pass, before));
+        saved = pipeline.state().to_json();
+      }
+      auto pipeline = make();
+      pipeline.load_state(State::from_json(saved));
+      Outcomes whole = before;
+      auto pass = pipeline.pass();
+      while (take_one(pass, whole)) {
+      }
+      ASSERT_EQ(sorted(whole), sorted(expected)) << "trial " << trial << (filtered ? ", behind a filter" : "");
+    }
+  }
+}
+
+// A fork's consumers resume each from its own place; the first to resume
+// buffers what the others have not taken again yet.
+TEST(PipelineResume, ForkConsumersResumeFromTheirOwnPlaces) {
+  auto make = [] { return nodes::fork(nodes::from_range(0, 100) | nodes::shuffle(16), 2, 8); };
+  std::string saved_a, saved_b;
+  Outcomes a_before, b_before;
+  {
+    auto outputs = make();
+    outputs[0].seed(9);
+    outputs[1].seed(9);
+    auto a = outputs[0].pass();
+    auto b = outputs[1].pass();
+    for (int i = 0; i < 30; ++i) {
+      ASSERT_TRUE(take_one(a, a_before));
+      if (i < 25) {
+        ASSERT_TRUE(take_one(b, b_before));
+      }
+    }
+    saved_a = outputs[0].state().to_json();
+    saved_b = outputs[1].state().to_json();
+  }
+  // What each consumer sees: the shuffled range (shuffle's id is the same
+  // under a fork as alone, so its order is too).
+  auto alone = nodes::from_range(0, 100) | nodes::shuffle(16);
+  alone.seed(9);
+  const Outcomes reference = conveyor::testing::outcomes(alone);
+  auto outputs = make();
+  outputs[0].seed(9);
+  outputs[1].seed(9);
+  outputs[0].load_state(State::from_json(saved_a));
+  outputs[1].load_state(State::from_json(saved_b));
+  auto a = outputs[0].pass();
+  auto b = outputs[1].pass();
+  Outcomes a_all = a_before, b_all = b_before;
+  while (take_one(a, a_all) | take_one(b, b_all)) {
+  }
+  EXPECT_EQ(a_all, reference);
+  EXPECT_EQ(b_all, reference);
+}
+
+TEST(PipelineResume, ACacheFilledInAnEarlierPassIsFilledTheSameWayInANewProcess) {
+  // Upstream of the cache shuffles by pass: a cache refilled from another
+  // pass would hold another order.
+  auto make = [] { return nodes::from_range(0, 50) | nodes::shuffle(50) | nodes::cache(); };
+  Outcomes first, second_before;
+  std::string saved;
+  {
+    auto pipeline = make();
+    pipeline.seed(4);
+    first = conveyor::testing::outcomes(pipeline);
+    auto pass = pipeline.pass();
+    for (int i = 0; i < 20; ++i) ASSERT_TRUE(take_one(pass, second_before));
+    saved = pipeline.state().to_json();
+  }
+  auto pipeline = make();
+  pipeline.seed(4);
+  pipeline.load_state(State::from_json(saved));
+  Outcomes whole = second_before;
+  auto pass = pipeline.pass();
+  while (take_one(pass, whole)) {
+  }
+  EXPECT_EQ(whole, first);  // the cache replays the first pass
+}
+
+TEST(PipelineResume, AMismatchNamesWhatDiffers) {
+  auto saver = nodes::from_range(0, 10) | nodes::batch(4);
+  saver.seed(1);
+  const State state = saver.state();
+
+  auto other_batch = nodes::from_range(0, 10) | nodes::batch(5);
+  other_batch.seed(1);
+  try {
+    other_batch.load_state(state);
+    FAIL() << "a batch(5) pipeline loaded a batch(4) state";
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("batch(4)"), std::string::npos) << error.what();
+  }
+  auto other_seed = nodes::from_range(0, 10) | nodes::batch(4);
+  other_seed.seed(2);
+  EXPECT_THROW(other_seed.load_state(state), StateError);
+  auto other_shard = nodes::from_range(0, 10) | nodes::batch(4);
+  other_shard.seed(1).shard({.rank = 1, .world_size = 2});
+  EXPECT_THROW(other_shard.load_state(state), StateError);
+
+  // The saved pass must be the one asked for.
+  auto resumed = nodes::from_range(0, 10) | nodes::batch(4);
+  resumed.seed(1);
+  resumed.load_state(state);
+  resumed.set_epoch(3);
+  EXPECT_THROW((void)resumed.pass(), StateError);
+}
+
+TEST(PipelineResume, AStateIsAFewCountsForAnOrderedGraph) {
+  auto pipeline = nodes::from_range(0, 1000000) |
+                  nodes::map([](int64_t x) { return x * 2; }, {.workers = 2}) | nodes::shuffle(1000) |
+                  nodes::batch(64) | nodes::prefetch(4);
+  pipeline.seed(3);
+  auto pass = pipeline.pass();
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(pass.next());
+  const std::string text = pipeline.state().to_json();
+  EXPECT_LT(text.size(), 1024u) << text;
+}
+
+}  // namespace

@@ -1,0 +1,162 @@
+// Random pipelines for the property tests: the parallel and serial forms of
+// one graph, and a pass's outcomes (items and errors) as text.
+#pragma once
+
+#include <conveyor/nodes.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "support/sync.h"
+
+namespace conveyor::testing {
+
+namespace nodes = conveyor::nodes;
+
+inline uint64_t property_seed() {
+  if (const char* text = std::getenv("CONVEYOR_NODES_SEED")) return std::strtoull(text, nullptr, 10);
+  return std::random_device{}();
+}
+
+// A pipeline drawn from `rng`: a range, then a few stages; each stage's
+// parallel form (workers from `parallel`, 0 for none) yields what its serial
+// form yields. Some stages fail on some items (skipped, or raised in their
+// place); some spin a random while; some draw from the item's generator.
+// A map handing items out as they finish (in_order = false) is followed
+// only by stages that treat items one by one; `ordered` is then false and
+// the runs are compared as multisets (the serial run is in order anyway).
+// Some stages merge in a second random pipeline (mux, weighted_mux, zip),
+// drawn in order and at most two levels deep. A cache sits only where its
+// pass is always read to the end (not in a merged pipeline, nothing after
+// it that stops early): a parallel node after it may read ahead to the end
+// of a pass the consumer left, completing the cache in one run and not the
+// other (conveyor/nodes/repeat.h).
+inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& ordered, int depth = 0,
+                                  bool allow_unordered = true) {
+  std::uniform_int_distribution<int> pick(0, 14);
+  ordered = true;
+  bool cached = false;  // a cache upstream: nothing may cut its pass short
+  const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
+  Pipeline<int64_t> p = nodes::from_range(0, n);
+  const int stages = std::uniform_int_distribution<int>(1, 5)(rng);
+  for (int s = 0; s < stages; ++s) {
+    int kind = pick(rng);
+    // After items leave out of order, a stage's positions differ from the
+    // serial run's: no stage whose output depends on them (shuffle, batch,
+    // the item's generator, an error's position).
+    if (!ordered && (kind == 2 || kind == 4 || kind == 6 || kind == 7 || kind >= 10)) kind = 1;
+    if (kind == 8 && !allow_unordered) kind = 5;
+    if (kind >= 11 && kind <= 13 && depth >= 2) kind = 9;
+    if (kind == 14 && depth > 0) kind = 9;
+    if (cached && (kind == 10 || kind == 13)) kind = 5;
+    const int64_t k = std::uniform_int_distribution<int64_t>(2, 9)(rng);
+    const int drawn_workers = std::uniform_int_distribution<int>(1, 4)(rng);  // drawn either way: same graph
+    const int workers = parallel ? drawn_workers : 0;
+    const uint64_t delay_seed = rng();
+    auto work = [k, delay_seed](int64_t x) {
+      // Random spin, seeded by the item: shakes out completion orders.
+      const uint64_t h = (static_cast<uint64_t>(x) * 0x9e3779b97f4a7c15ULL) ^ delay_seed;
+      conveyor::testing::spin_delay(h % 7 == 0 ? h % 20000 : 0);
+      if (x % 37 == static_cast<int64_t>(k)) throw std::runtime_error("fails on " + std::to_string(x));
+      return x * k % 1000003;
+    };
+    switch (kind) {
+      case 0:
+        p = std::move(p) | nodes::map(work, {.workers = workers, .on_error = conveyor::OnError::skip});
+        break;
+      case 1:
+        p = std::move(p) | nodes::filter([k](int64_t x) { return x % k != 0; });
+        break;
+      case 2:
+        p = std::move(p) | nodes::shuffle(static_cast<size_t>(k));
+        break;
+      case 3:
+        if (parallel) p = std::move(p) | nodes::prefetch(static_cast<int>(k));
+        break;
+      case 4:
+        p = std::move(p) | nodes::batch(static_cast<size_t>(k)) | nodes::map([](std::vector<int64_t>&& b) {
+              int64_t sum = 0;
+              for (int64_t x : b) sum += x;
+              return sum;
+            }, {.workers = workers});
+        break;
+      case 6:  // failures raised in their place: a NodeError, then the pass goes on
+        p = std::move(p) | nodes::map(work, {.workers = workers});
+        break;
+      case 7:  // the item's own generator: the same draw on any thread
+        p = std::move(p) | nodes::map([](int64_t x) {
+              return x + static_cast<int64_t>(conveyor::uniform(conveyor::default_generator()) * 1000);
+            }, {.workers = workers});
+        break;
+      case 8:  // as each finishes
+        p = std::move(p) | nodes::map(work, {.workers = workers, .in_order = false,
+                                             .on_error = conveyor::OnError::skip});
+        ordered = false;  // in both runs: they draw the same stages
+        break;
+      case 9:
+        p = std::move(p) | nodes::flat_map([k](int64_t x) { return std::vector<int64_t>(static_cast<size_t>(x % 3), x + k); });
+        break;
+      case 10:
+        p = std::move(p) | nodes::take(static_cast<uint64_t>(k * 11));
+        break;
+      case 11:
+      case 12:
+      case 13: {
+        bool other_ordered = true;
+        Pipeline<int64_t> other =
+            random_pipeline(std::mt19937_64(rng()), parallel, other_ordered, depth + 1, /*allow_unordered=*/false);
+        if (kind == 11) {
+          std::vector<Pipeline<int64_t>> sources;
+          sources.push_back(std::move(p));
+          sources.push_back(std::move(other));
+          p = nodes::mux(std::move(sources));
+        } else if (kind == 12) {
+          std::vector<Pipeline<int64_t>> sources;
+          sources.push_back(std::move(p));
+          sources.push_back(std::move(other));
+          p = nodes::weighted_mux(std::move(sources), {1.0, static_cast<double>(k)});
+        } else {
+          p = nodes::zip(std::move(p), std::move(other)) |
+              nodes::map([](std::pair<int64_t, int64_t>&& pair) { return pair.first * 7 + pair.second; },
+                         {.workers = workers});
+        }
+        break;
+      }
+      case 14:
+        p = std::move(p) | nodes::cache();
+        cached = true;
+        break;
+      default:
+        p = std::move(p) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
+        break;
+    }
+  }
+  return p;
+}
+
+// One pass's items and errors, in order. An error is its node's kind and
+// the failed item's position: the serial map is "map", the parallel one
+// "map(workers=N)".
+inline std::vector<std::string> outcomes(Pipeline<int64_t>& pipeline) {
+  std::vector<std::string> out;
+  auto pass = pipeline.pass();
+  while (true) {
+    try {
+      std::optional<int64_t> item = pass.next();
+      if (!item) break;
+      out.push_back(std::to_string(*item));
+    } catch (const conveyor::NodeError& e) {
+      out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
+    }
+  }
+  return out;
+}
+
+}  // namespace conveyor::testing

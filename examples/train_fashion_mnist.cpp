@@ -5,7 +5,8 @@
 //                       [--source idx|shards] [--shards DIR|URL-pattern] [--data DIR]
 //                       [--scheduling work_stealing|round_robin] [--threads N]
 //                       [--limit N] [--lr 0.002] [--loader-only] [--pin-memory]
-//                       [--distributed]
+//                       [--distributed] [--checkpoint DIR [--checkpoint-every N]]
+//                       [--resume DIR]
 //
 // Prints a progress bar per epoch (samples/s, loss, data stall: the share of
 // the epoch the trainer spent waiting for the loader), test accuracy after
@@ -20,6 +21,12 @@
 //
 // --shards http://host/train-{000000..000011}.tar: the shards are streamed
 // over HTTP(S) as they are read (conveyor::io), not downloaded first.
+//
+// --checkpoint DIR --checkpoint-every N: every N steps, the model, the
+// optimizer and the loader's state (DataLoader::state_dict) are saved into
+// DIR, atomically (examples/trainer_checkpoint.h). --resume DIR continues
+// from the last one, mid-epoch: a run killed with SIGKILL and resumed ends
+// with the same loss-curve fingerprint and accuracy as one never stopped.
 #include <conveyor/conveyor.h>
 #if CONVEYOR_HAVE_CUDA
 #include <conveyor/cuda.h>
@@ -56,6 +63,7 @@
 #include <vector>
 
 #include "shard_writing.h"
+#include "trainer_checkpoint.h"
 
 namespace {
 
@@ -76,6 +84,9 @@ struct Flags {
   bool loader_only = false;  // time the loader alone: no model, no training
   bool pin_memory = false;   // pinned batches, copied to the device 2 ahead
   bool distributed = false;  // one rank of a torchrun/mpirun job
+  std::string checkpoint;      // save checkpoints into this directory
+  int64_t checkpoint_every = 0;  // steps between checkpoints (0: with --checkpoint, 100)
+  std::string resume;          // continue from the checkpoint in this directory
 };
 
 [[noreturn]] void usage(const std::string& problem) {
@@ -84,7 +95,8 @@ struct Flags {
                "usage: train_fashion_mnist [--epochs N] [--workers N] [--batch-size N] [--seed N]\n"
                "       [--source idx|shards] [--data DIR] [--shards DIR|URL-pattern]\n"
                "       [--scheduling work_stealing|round_robin] [--threads N] [--limit N] [--lr X]\n"
-               "       [--loader-only] [--pin-memory] [--distributed]\n",
+               "       [--loader-only] [--pin-memory] [--distributed]\n"
+               "       [--checkpoint DIR [--checkpoint-every N]] [--resume DIR]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -145,6 +157,12 @@ Flags parse(int argc, char** argv) {
       } else {
         usage("--scheduling is work_stealing or round_robin, not '" + mode + "'");
       }
+    } else if (name == "--checkpoint") {
+      flags.checkpoint = value;
+    } else if (name == "--checkpoint-every") {
+      flags.checkpoint_every = integer_flag(name, value, 1);
+    } else if (name == "--resume") {
+      flags.resume = value;
     } else if (name == "--lr") {
       char* end = nullptr;
       flags.lr = std::strtod(value, &end);
@@ -152,6 +170,14 @@ Flags parse(int argc, char** argv) {
     } else {
       usage("unknown flag " + name);
     }
+  }
+  if (flags.checkpoint_every > 0 && flags.checkpoint.empty()) usage("--checkpoint-every needs --checkpoint DIR");
+  if (!flags.checkpoint.empty() && flags.checkpoint_every == 0) flags.checkpoint_every = 100;
+  if (flags.distributed && (!flags.checkpoint.empty() || !flags.resume.empty())) {
+    usage("--checkpoint and --resume are for one process; a --distributed job does not checkpoint yet");
+  }
+  if (flags.loader_only && (!flags.checkpoint.empty() || !flags.resume.empty())) {
+    usage("--loader-only trains nothing to checkpoint");
   }
   return flags;
 }
@@ -426,12 +452,48 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
   Fingerprint fingerprint;
   double accuracy = 0, total_seconds = 0, total_wait = 0;
   size_t total_samples = 0;
-  for (int epoch = 0; epoch < flags.epochs; ++epoch) {
+  // What must match between the run that saved a checkpoint and the one
+  // resuming it (the loader checks its own: batch size, schedule, ...).
+  conveyor::State run = conveyor::State::object();
+  run.set("seed", flags.seed);
+  run.set("source", flags.source);
+  run.set("lr", flags.lr);
+  run.set("limit", flags.limit);
+  run.set("epochs", static_cast<int64_t>(flags.epochs));
+  // A resumed run: where it starts, and the counters it carries on.
+  int first_epoch = 0;
+  uint64_t global_step = 0;
+  std::optional<conveyor::State> resumed;
+  if (!flags.resume.empty()) {
+    resumed = conveyor::examples::load_checkpoint(flags.resume, net, optimizer);
+    if (!(resumed->at("run") == run)) {
+      throw conveyor::StateError("--resume " + flags.resume + ": the checkpoint was saved by a run with " +
+                                 resumed->at("run").to_json() + ", this one has " + run.to_json());
+    }
+    loader.load_state_dict(resumed->at("loader"));
+    first_epoch = static_cast<int>(resumed->int_at("epoch"));
+    global_step = resumed->uint_at("global_step");
+    fingerprint.hash = resumed->uint_at("fingerprint");
+    accuracy = resumed->at("accuracy").as_double();
+    total_seconds = resumed->at("total_seconds").as_double();
+    total_wait = resumed->at("total_wait").as_double();
+    total_samples = resumed->uint_at("total_samples");
+    std::printf("resumed from %s: epoch %d, step %llu of the run, %llu steps into the epoch\n", flags.resume.c_str(),
+                first_epoch + 1, static_cast<unsigned long long>(global_step),
+                static_cast<unsigned long long>(resumed->uint_at("steps")));
+  }
+  for (int epoch = first_epoch; epoch < flags.epochs; ++epoch) {
     loader.set_epoch(static_cast<uint64_t>(epoch));
     Progress progress(epoch, flags.epochs, samples_per_epoch);
     const auto start = Clock::now();
     double waited = 0, running_loss = 0;
     size_t done = 0, steps = 0;
+    if (resumed && epoch == first_epoch) {
+      steps = resumed->uint_at("steps");
+      done = resumed->uint_at("done");
+      running_loss = resumed->at("running_loss").as_double();
+      resumed.reset();
+    }
     // --distributed: every rank runs the same number of steps, or the one
     // with more would wait forever in its last allreduce. A rank with fewer
     // batches pads by starting its share again, as DistributedSampler pads.
@@ -455,6 +517,10 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
 #endif
     auto pass = loader.iter();
     while (steps < agreed_steps) {
+      // Checked before asking for a batch, so a run resumed right at the
+      // limit asks for none. Under --distributed the agreed step count is
+      // the limit.
+      if (!job.distributed() && flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
       const auto asked = Clock::now();
       auto batch = pass.next();
       if (!batch && job.distributed() && steps > 0) {
@@ -493,10 +559,26 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
         read += static_cast<size_t>(y.size(0));  // of this rank's share, first time round
       }
       done += samples;
+      ++global_step;
+      if (!flags.checkpoint.empty() && global_step % static_cast<uint64_t>(flags.checkpoint_every) == 0) {
+        conveyor::State trainer = conveyor::State::object();
+        trainer.set("run", run);
+        trainer.set("epoch", static_cast<int64_t>(epoch));
+        trainer.set("steps", static_cast<uint64_t>(steps));
+        trainer.set("done", static_cast<uint64_t>(done));
+        trainer.set("running_loss", running_loss);
+        trainer.set("global_step", global_step);
+        trainer.set("fingerprint", fingerprint.hash);
+        trainer.set("accuracy", accuracy);
+        trainer.set("total_seconds", total_seconds);
+        trainer.set("total_wait", total_wait);
+        trainer.set("total_samples", static_cast<uint64_t>(total_samples));
+        trainer.set("loader", loader.state_dict());
+        conveyor::examples::save_checkpoint(flags.checkpoint, global_step, net, optimizer, trainer);
+      }
+      conveyor::examples::maybe_killed_at(global_step);
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (job.lead()) progress.update(done, seconds, running_loss, seconds > 0 ? waited / seconds : 0);
-      // Under --distributed the agreed step count is the limit.
-      if (!job.distributed() && flags.limit > 0 && done >= static_cast<size_t>(flags.limit)) break;
     }
     if (job.distributed()) {
       // Every rank, one line: what it read and how many steps it ran (the

@@ -159,6 +159,7 @@ State position_to_state(const EpochPosition& position) {
     out.set("next_lane", position.next_lane);
   }
   out.set("generators", generators_to_state(position.generators));
+  out.set("start_generators", generators_to_state(position.start_generators));
   return out;
 }
 
@@ -179,6 +180,7 @@ EpochPosition epoch_position_from_state(const State& state) {
     }
   }
   position.generators = generators_from_state(state.at("generators"));
+  position.start_generators = generators_from_state(state.at("start_generators"));
   return position;
 }
 

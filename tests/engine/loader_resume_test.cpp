@@ -46,20 +46,26 @@ struct DrawingDataset final : conveyor::Dataset<Sample> {
   std::set<size_t> bad;
 };
 
-// Worker w of W yields w, w + W, ... below lengths-dependent ends, each with
-// a draw from its worker's generator; positions in `bad` throw.
+// Worker w of W reads w, w + W, ... below uneven ends (worker w stops before
+// n - 3w) through a shuffle buffer of 3 (as TarShardDataset's, drawing from
+// its worker's generator: a replay must draw as the first pass did), each
+// sample with a draw; values in `bad` throw.
 struct DrawingStream final : conveyor::IterableDataset<Sample> {
   DrawingStream(int64_t n, std::set<int64_t> bad) : n(n), bad(std::move(bad)) {}
   std::unique_ptr<conveyor::SampleIterator<Sample>> iter(const conveyor::WorkerInfo* worker) override {
     const int64_t start = worker ? worker->id : 0;
     const int64_t step = worker ? worker->num_workers : 1;
-    // Replicas end unevenly: worker w stops before n - w * 3.
     const int64_t end = n - start * 3;
     return conveyor::make_sample_iterator<Sample>(
-        [next = start, step, end, this]() mutable -> std::optional<Sample> {
-          if (next >= end) return std::nullopt;
-          const int64_t value = next;
-          next += step;
+        [next = start, step, end, buffer = std::vector<int64_t>{}, this]() mutable -> std::optional<Sample> {
+          while (buffer.size() < 3 && next < end) {
+            buffer.push_back(next);
+            next += step;
+          }
+          if (buffer.empty()) return std::nullopt;
+          const size_t pick = conveyor::default_generator().random() % buffer.size();
+          const int64_t value = buffer[pick];
+          buffer.erase(buffer.begin() + static_cast<std::ptrdiff_t>(pick));
           const int64_t draw = conveyor::default_generator().random() % 1000;
           if (bad.count(value)) throw std::runtime_error("bad sample " + std::to_string(value));
           return Sample{value, draw};

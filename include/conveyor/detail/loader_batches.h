@@ -91,8 +91,13 @@ inline size_t window_for(const LoaderPlan& plan) {
 struct PendingSeek {
   Generator* generator = nullptr;
   std::optional<GeneratorPosition>* to = nullptr;
+  // Iterable: where the pass began it, before the replica replays.
+  std::optional<GeneratorPosition>* start = nullptr;
   void apply() {
     if (to && *to) generator->seek(*std::exchange(*to, std::nullopt));
+  }
+  void apply_start() {
+    if (start && *start) generator->seek(*std::exchange(*start, std::nullopt));
   }
 };
 
@@ -199,6 +204,7 @@ class BatchWork {
           std::rethrow_exception(init_failure);
         }
         stage = "iter";
+        seek.apply_start();
         // No worker info in the consumer's thread, even inside another
         // loader's worker.
         replica.iterator = core_.dataset->iter(worker < 0 ? nullptr : get_worker_info());
@@ -311,8 +317,11 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     ++pass_;
     std::vector<OptionalPosition>& generators = progress.position.generators;
     generators.assign(per_batch_generators_ ? 0 : workers_.size(), std::nullopt);
+    std::vector<OptionalPosition>& starts = progress.position.start_generators;
+    starts.assign(generators.size(), std::nullopt);
     for (size_t w = 0; w < workers_.size(); ++w) {
       Worker& worker = workers_[w];
+      worker.seek_start.reset();
       if (persistent_ && worker.tail && worker.last_made < static_cast<int64_t>(worker.tail->first)) {
         worker.seek_to = worker.tail->second;  // see Worker::tail
       }
@@ -332,10 +341,16 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
       } else if (!per_batch_generators_) {
         generators[w] = worker.seek_to;
       }
+      if (!per_batch_generators_) starts[w] = generators[w];
       const std::vector<OptionalPosition>* saved = resume ? &resume->position.generators : nullptr;
       if (saved && w < saved->size() && (*saved)[w]) {
         worker.seek_to = (*saved)[w];
         if (!per_batch_generators_) generators[w] = worker.seek_to;
+      }
+      const std::vector<OptionalPosition>* saved_starts = resume ? &resume->position.start_generators : nullptr;
+      if (saved_starts && w < saved_starts->size() && !per_batch_generators_) {
+        worker.seek_start = (*saved_starts)[w];
+        starts[w] = worker.seek_start;
       }
     }
     // A map-style worker's last batches, received out of turn, are not made
@@ -382,6 +397,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     WorkerInfo info;
     Generator generator;
     std::optional<GeneratorPosition> seek_to;  // a resumed pass: where its first job puts the generator
+    std::optional<GeneratorPosition> seek_start;  // iterable, a resumed pass: see PendingSeek::start
     // A resumed pass: its latest batch received out of turn (not made
     // again) and the generator after it; and the latest batch it made this
     // pass (written by the worker, read by the consumer between passes).
@@ -406,7 +422,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     }
     (void)job;
     work_.run(BatchJob{out.batch_index, pass_, indices}, out, worker, init_failure,
-              PendingSeek{&mine.generator, &mine.seek_to});
+              PendingSeek{&mine.generator, &mine.seek_to, &mine.seek_start});
     if (!per_batch_generators_) {
       out.generator = mine.generator.position();
       mine.last_made = std::max(mine.last_made, static_cast<int64_t>(out.batch_index));
@@ -542,11 +558,18 @@ class InlineLanes {
     round_robin_ = core_->plan.scheduling == Scheduling::round_robin;
     std::vector<OptionalPosition>& generators = progress.position.generators;
     generators.clear();
+    progress.position.start_generators.clear();
     seek_to_.reset();
+    seek_start_.reset();
     if (round_robin_) {
       Generator& process = default_generator();
       process.set_state(process.get_state());
       generators.assign(1, process.position());
+      progress.position.start_generators = generators;
+      if (resume && !resume->position.start_generators.empty() && resume->position.start_generators[0]) {
+        seek_start_ = resume->position.start_generators[0];
+        progress.position.start_generators[0] = seek_start_;
+      }
       if (resume && !resume->position.generators.empty() && resume->position.generators[0]) {
         seek_to_ = resume->position.generators[0];
         generators[0] = seek_to_;
@@ -585,7 +608,7 @@ class InlineLanes {
     out.times = {};
     out.batch_index = batch_index;
     PendingSeek seek;  // map-style: seek_generator(), before the sampler draws
-    if constexpr (IterableStyleDataset<D>) seek = PendingSeek{&default_generator(), &seek_to_};
+    if constexpr (IterableStyleDataset<D>) seek = PendingSeek{&default_generator(), &seek_to_, &seek_start_};
     work_.run(job, out, /*worker=*/-1, nullptr, seek);
     if (progress_ && !seek_to_) progress_->seek_pending = false;
     out.generator.reset();
@@ -615,6 +638,7 @@ class InlineLanes {
   bool held_ = false;  // made_ holds a job not yet taken
   bool round_robin_ = false;
   std::optional<GeneratorPosition> seek_to_;  // a resumed pass: see seek_generator()
+  std::optional<GeneratorPosition> seek_start_;  // iterable, a resumed pass: see PendingSeek::start
   EpochProgress* progress_ = nullptr;         // the pass's, while seek_to_ is set
 };
 

@@ -81,6 +81,10 @@ struct EpochPosition {
   // 0): the generator after its last batch below the prefix (its replica's
   // prefix), or as the pass began it.
   std::vector<OptionalPosition> generators;
+  // round_robin, by worker: the generator as the pass began it (null: seeded
+  // afresh). An iterable replica's pass over what was received draws from
+  // it again (a shuffle buffer in the dataset, say), so it starts there.
+  std::vector<OptionalPosition> start_generators;
 };
 
 // What an epoch has handed to its consumer. Consumer thread only.

@@ -1,0 +1,108 @@
+// The trainer's checkpoints: model, optimizer, LibTorch's generator, the
+// loader's state and the trainer's own counters, saved together so that a
+// crash at any moment leaves the last complete checkpoint readable.
+//
+//   DIR/step-000120/   model.pt optimizer.pt rng.pt trainer.json (the loader's
+//                      state inside); written as DIR/.step-000120.tmp, each
+//                      file fsynced, then renamed
+//   DIR/latest         {"checkpoint": "step-000120"}: replaced atomically
+//                      (conveyor::save_state_file) once the directory is whole
+//
+// A crash before `latest` is replaced leaves it naming the previous
+// checkpoint, which is deleted only after. CONVEYOR_TRAINER_KILL_IN_SAVE=N
+// (tests) kills the process with SIGKILL in the middle of step N's save.
+#pragma once
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <conveyor/state.h>
+#include <fcntl.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+namespace conveyor::examples {
+
+namespace checkpoint_detail {
+inline void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) throw conveyor::RuntimeError("checkpoint: cannot open " + path + ": " + std::strerror(errno));
+  const int synced = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (synced != 0) throw conveyor::RuntimeError("checkpoint: cannot fsync " + path + ": " + std::strerror(error));
+}
+
+inline uint64_t env_step(const char* name) {
+  const char* text = std::getenv(name);
+  return text ? std::strtoull(text, nullptr, 10) : 0;
+}
+}  // namespace checkpoint_detail
+
+// Saves checkpoint `step` into `dir`; `trainer` holds the counters and the
+// loader's state. Returns the checkpoint's directory.
+template <class Net, class Optimizer>
+std::string save_checkpoint(const std::string& dir, uint64_t step, Net& net, Optimizer& optimizer,
+                            const conveyor::State& trainer) {
+  namespace fs = std::filesystem;
+  using checkpoint_detail::fsync_path;
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%09llu", static_cast<unsigned long long>(step));
+  const fs::path root(dir);
+  const fs::path staging = root / (std::string(".") + name + ".tmp");
+  const fs::path final_dir = root / name;
+  fs::create_directories(root);
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+  torch::save(net, (staging / "model.pt").string());
+  torch::save(optimizer, (staging / "optimizer.pt").string());
+  torch::save(at::detail::getDefaultCPUGenerator().get_state(), (staging / "rng.pt").string());
+  if (checkpoint_detail::env_step("CONVEYOR_TRAINER_KILL_IN_SAVE") == step) std::raise(SIGKILL);
+  conveyor::save_state_file((staging / "trainer.json").string(), trainer);
+  for (const char* file : {"model.pt", "optimizer.pt", "rng.pt"}) fsync_path((staging / file).string(), false);
+  fsync_path(staging.string(), true);
+  fs::remove_all(final_dir);
+  fs::rename(staging, final_dir);
+  fsync_path(root.string(), true);
+  conveyor::State latest = conveyor::State::object();
+  latest.set("checkpoint", std::string(name));
+  conveyor::save_state_file((root / "latest").string(), latest);  // the switch
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string other = entry.path().filename().string();
+    if (entry.is_directory() && other.starts_with("step-") && other != name) fs::remove_all(entry.path());
+  }
+  return final_dir.string();
+}
+
+// Loads the checkpoint `dir`/latest names into `net` and `optimizer` and
+// LibTorch's generator; returns its trainer.json.
+template <class Net, class Optimizer>
+conveyor::State load_checkpoint(const std::string& dir, Net& net, Optimizer& optimizer) {
+  namespace fs = std::filesystem;
+  const conveyor::State latest = conveyor::load_state_file((fs::path(dir) / "latest").string());
+  const std::string& name = latest.string_at("checkpoint");
+  if (!name.starts_with("step-") || name.find('/') != std::string::npos) {
+    throw conveyor::StateError("checkpoint: " + dir + "/latest names '" + name + "', not a checkpoint of this trainer");
+  }
+  const fs::path checkpoint = fs::path(dir) / name;
+  torch::load(net, (checkpoint / "model.pt").string());
+  torch::load(optimizer, (checkpoint / "optimizer.pt").string());
+  torch::Tensor rng;
+  torch::load(rng, (checkpoint / "rng.pt").string());
+  at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the default
+  generator.set_state(rng);
+  return conveyor::load_state_file((checkpoint / "trainer.json").string());
+}
+
+// Tests: CONVEYOR_TRAINER_KILL_AT_STEP=N kills the process with SIGKILL
+// right after step N (no cleanup, as a preemption would).
+inline void maybe_killed_at(uint64_t step) {
+  if (checkpoint_detail::env_step("CONVEYOR_TRAINER_KILL_AT_STEP") == step) std::raise(SIGKILL);
+}
+
+}  // namespace conveyor::examples

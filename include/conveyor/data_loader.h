@@ -85,15 +85,17 @@ class DataLoader {
         int64_t& total;
         ~CountWait() { total += detail::nanoseconds_since(asked); }
       } count_wait{asked, wait_ns_};
-      std::optional<batch_type> batch;
-      try {
-        batch = source_->next();
-      } catch (const TimeoutError&) {
-        throw;  // no batch was received: the next call waits for the same one
-      } catch (...) {
-        progress_->commit_received();  // a failed batch is received in its place
-        throw;
-      }
+      // Initialised from the call, not assigned: no extra move of the batch.
+      std::optional<batch_type> batch = [this] {
+        try {
+          return source_->next();
+        } catch (const TimeoutError&) {
+          throw;  // no batch was received: the next call waits for the same one
+        } catch (...) {
+          progress_->commit_received();  // a failed batch is received in its place
+          throw;
+        }
+      }();
       if (batch) {
         progress_->commit_received();
         note_yielded();

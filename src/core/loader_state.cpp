@@ -18,7 +18,8 @@ const OptionalPosition* ReceivedSet::generator_after(uint64_t number) const {
   return &beyond_generators[static_cast<size_t>(it - beyond.begin())];
 }
 
-void EpochProgress::begin(size_t lanes, size_t workers) {
+void EpochProgress::begin(size_t lanes, size_t workers, bool deferred) {
+  deferred_ = deferred;
   position = EpochPosition{};
   position.lanes.assign(lanes, ReceivedSet{});
   position.lane_failures.assign(lanes, 0);
@@ -29,34 +30,41 @@ void EpochProgress::begin(size_t lanes, size_t workers) {
   pending_head_ = 0;
 }
 
-void EpochProgress::note_taken(TakeRecord record) {
+void EpochProgress::defer(const TakeRecord& record, OptionalPosition&& generator) {
   if (pending_size_ == pending_.size()) {
-    // Full: unroll the ring into a larger one (only while the stages after
-    // fetch+collate first fill up; never in a steady epoch).
-    std::vector<TakeRecord> larger;
-    larger.reserve(std::max<size_t>(4, 2 * pending_.size()));
-    for (size_t i = 0; i < pending_size_; ++i) larger.push_back(std::move(pending_[(pending_head_ + i) % pending_.size()]));
-    larger.resize(larger.capacity());
+    // Full: unroll the ring into one twice as large (only while the stages
+    // after fetch+collate first fill up; never in a steady epoch).
+    const size_t size = std::max<size_t>(4, 2 * pending_.size());
+    std::vector<TakeRecord> larger(size);
+    std::vector<OptionalPosition> larger_generators(size);
+    for (size_t i = 0; i < pending_size_; ++i) {
+      larger[i] = pending_[(pending_head_ + i) & mask_];
+      larger_generators[i] = std::move(pending_generators_[(pending_head_ + i) & mask_]);
+    }
     pending_ = std::move(larger);
+    pending_generators_ = std::move(larger_generators);
+    mask_ = size - 1;
     pending_head_ = 0;
   }
-  pending_[(pending_head_ + pending_size_) % pending_.size()] = std::move(record);
+  const size_t slot = (pending_head_ + pending_size_) & mask_;
+  pending_[slot] = record;
+  if (generator || pending_generators_[slot]) pending_generators_[slot] = std::move(generator);
   ++pending_size_;
 }
 
-void EpochProgress::commit_received() {
+void EpochProgress::commit_deferred() {
   while (pending_size_ > 0) {
-    TakeRecord record = std::move(pending_[pending_head_]);
-    pending_head_ = (pending_head_ + 1) % pending_.size();
+    const size_t slot = pending_head_;
+    pending_head_ = (pending_head_ + 1) & mask_;
     --pending_size_;
-    apply(record);
-    if (record.output) return;
+    apply(pending_[slot], pending_generators_[slot]);
+    if (pending_[slot].output) return;
   }
 }
 
-void EpochProgress::apply(const TakeRecord& record) {
-  const auto lane = static_cast<size_t>(record.lane);
+void EpochProgress::apply_any(const TakeRecord& record, const OptionalPosition& generator) {
   EpochPosition& at = position;
+  const auto lane = static_cast<size_t>(record.lane);
   auto set_generator = [&at](size_t worker, const OptionalPosition& generator) {
     if (!generator) return;
     if (at.generators.size() <= worker) at.generators.resize(worker + 1);
@@ -65,18 +73,18 @@ void EpochProgress::apply(const TakeRecord& record) {
   if (!at.lanes.empty()) {  // iterable
     if (record.output) {
       if (record.failed) ++at.lane_failures[lane];
-      at.lanes[lane].add(record.ordinal, record.generator,
+      at.lanes[lane].add(record.ordinal, generator,
                          [&](uint64_t, const OptionalPosition& generator) { set_generator(lane, generator); });
     }
     if (record.end_of_replica) {
       at.lane_end[lane] = static_cast<int64_t>(record.ordinal + (record.output ? 1 : 0));
-      end_generators_[lane] = record.generator;
+      end_generators_[lane] = generator;
     }
     if (at.lane_done(lane)) set_generator(lane, end_generators_[lane]);
     at.next_lane = (lane + 1) % at.lanes.size();
   } else if (record.output) {
-    at.batches.add(record.batch_index, record.generator, [&](uint64_t batch, const OptionalPosition& generator) {
-      set_generator(static_cast<size_t>(batch % workers_), generator);
+    at.batches.add(record.batch_index, generator, [&](uint64_t batch, const OptionalPosition& after) {
+      set_generator(static_cast<size_t>(batch % workers_), after);
     });
   }
   if (record.output) ++at.received;

@@ -224,7 +224,10 @@ TEST(PipelineResume, ForkConsumersResumeFromTheirOwnPlaces) {
   auto a = outputs[0].pass();
   auto b = outputs[1].pass();
   Outcomes a_all = a_before, b_all = b_before;
-  while (take_one(a, a_all) | take_one(b, b_all)) {
+  while (true) {
+    const bool more_a = take_one(a, a_all);  // both every round: they stay within the buffer
+    const bool more_b = take_one(b, b_all);
+    if (!more_a && !more_b) break;
   }
   EXPECT_EQ(a_all, reference);
   EXPECT_EQ(b_all, reference);

@@ -50,7 +50,7 @@ namespace conveyor::detail {
 
 template <class Batch>
 struct SlotResult {
-  uint64_t batch_index = 0;  // written by the consumer before submit: the batch's place in the epoch
+  uint64_t batch_index = 0;  // the batch's place in the epoch (written by the worker)
   std::optional<Batch> batch;
   std::exception_ptr error;
   FailureContext context;
@@ -63,10 +63,6 @@ struct SlotResult {
   std::optional<GeneratorPosition> generator;
   // Iterable: the batch's number within its replica (see TakeRecord).
   uint64_t ordinal = 0;
-  // Written by the consumer before submit, in a resumed pass: where the
-  // worker's generator stood before this batch (its previous batch was
-  // received out of turn, and is not made again).
-  std::optional<GeneratorPosition> seek_before;
 };
 
 // One batch's job as the loader sees it: the runtime's Job knows only its
@@ -132,7 +128,11 @@ class BatchWork {
   // `worker` is -1 in the consumer's thread (replica 0, no worker info).
   // `seek`: map-style, before the batch; iterable, once the replica is made
   // and has passed over what its consumer received (both draw).
-  void run(const BatchJob& job, SlotResult<batch_type>& out, int worker, const std::exception_ptr& init_failure,
+  // Inlined into the consumer's-thread lanes, where a batch of a few tiny
+  // samples takes a few hundred instructions (W0): a call boundary here
+  // cost 8% of them.
+  [[gnu::always_inline]] inline void run(const BatchJob& job, SlotResult<batch_type>& out, int worker,
+                                         const std::exception_ptr& init_failure,
            PendingSeek seek = {}) noexcept {
     const char* stage = "fetch";
     try {
@@ -353,12 +353,24 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
         starts[w] = worker.seek_start;
       }
     }
-    // A map-style worker's last batches, received out of turn, are not made
-    // again: its generator is where the latest of them left it.
+    // The batches a resumed pass does not make again (map-style: the
+    // consumer submits the others in order).
+    skipped_prefix_ = 0;
+    skipped_beyond_.clear();
+    if (resume) {
+      skipped_prefix_ = resume->position.batches.prefix;
+      skipped_beyond_ = resume->position.batches.beyond;
+    }
+    // Map-style batches received out of turn are not made again: the same
+    // worker's next batch starts where one left its generator
+    // (seek_before_, by batch), and a worker's last ones leave it there at
+    // the pass's end (Worker::tail).
+    seek_before_.clear();
     if (resume && !per_batch_generators_ && !workers_.empty()) {
       const ReceivedSet& received = resume->position.batches;
       for (size_t i = 0; i < received.beyond.size(); ++i) {
         if (!received.beyond_generators[i]) continue;
+        seek_before_.emplace_back(received.beyond[i] + workers_.size(), *received.beyond_generators[i]);
         Worker& worker = workers_[received.beyond[i] % workers_.size()];
         if (!worker.tail || worker.tail->first < received.beyond[i]) {
           worker.tail.emplace(received.beyond[i], *received.beyond_generators[i]);
@@ -413,12 +425,20 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
   void run(Job& job, BatchIndices& indices, SlotResult<batch_type>& out, int worker,
            const std::exception_ptr& init_failure) noexcept override {
     Worker& mine = workers_[static_cast<size_t>(worker)];
+    out.batch_index = batch_of(job.index);
     std::optional<WorkerScope> scope;
     if (per_batch_generators_) {
       scope.emplace(&mine.info, work_stealing_seed(base_seed_, epoch_, out.batch_index));
     } else {
       scope.emplace(&mine.info, &mine.generator);
-      if (out.seek_before) mine.seek_to = std::move(out.seek_before);  // this batch's, not the pass's
+      // A resumed pass: this worker's previous batch was received out of
+      // turn and is not made again; its generator goes where that batch
+      // left it (this batch's place, not the pass's).
+      if (!seek_before_.empty()) {
+        const auto it = std::lower_bound(seek_before_.begin(), seek_before_.end(), out.batch_index,
+                                         [](const auto& entry, uint64_t batch) { return entry.first < batch; });
+        if (it != seek_before_.end() && it->first == out.batch_index) mine.seek_to = it->second;
+      }
     }
     (void)job;
     work_.run(BatchJob{out.batch_index, pass_, indices}, out, worker, init_failure,
@@ -433,6 +453,24 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
   const bool per_batch_generators_;
   const bool persistent_;
   std::vector<Worker> workers_;  // by worker id
+  // A resumed pass (round_robin): by batch, where its worker's generator
+  // starts it; sorted. Written by begin_pass, read by the workers.
+  std::vector<std::pair<uint64_t, GeneratorPosition>> seek_before_;
+  // A resumed pass: the batches it does not make (all below the prefix, and
+  // those listed, sorted). Written by begin_pass, read by the workers.
+  uint64_t skipped_prefix_ = 0;
+  std::vector<uint64_t> skipped_beyond_;
+
+  // The epoch's batch that the pass's job `job` makes: the job-th batch not
+  // skipped (iterable: the job's number).
+  uint64_t batch_of(uint64_t job) const noexcept {
+    uint64_t batch = skipped_prefix_ + job;
+    for (const uint64_t skipped : skipped_beyond_) {
+      if (skipped > batch) break;
+      ++batch;
+    }
+    return batch;
+  }
   // The pass's, written by begin_pass() before its jobs are queued.
   int64_t base_seed_ = 0;
   uint64_t epoch_ = 0;
@@ -503,11 +541,11 @@ class WorkerLanes {
   size_t window() const noexcept { return window_.window(); }
   bool has_room() const noexcept { return window_.has_room(); }
   size_t in_flight() const noexcept { return window_.in_flight(); }
-  void submit(int worker, uint64_t batch_index, std::span<const size_t> indices,
-              const OptionalPosition* seek_before = nullptr) {
+  // `batch_index`: the pool knows it from the job's number (see
+  // WorkerPool::batch_of): a write into the slot's payload here would take
+  // its cache line from the worker about to fill it (6% of W0 at W = 1).
+  void submit(int worker, uint64_t /*batch_index*/, std::span<const size_t> indices) {
     window_.next_input().assign(indices.begin(), indices.end());  // the slot's vector: no allocation once warm
-    window_.next_payload().batch_index = batch_index;
-    if (seek_before) window_.next_payload().seek_before = *seek_before;
     window_.submit(worker);
   }
   Taken take(std::chrono::steady_clock::time_point deadline) {
@@ -592,8 +630,7 @@ class InlineLanes {
   size_t window() const noexcept { return 0; }
   bool has_room() const noexcept { return !held_; }
   size_t in_flight() const noexcept { return held_ ? 1 : 0; }
-  void submit(int /*worker*/, uint64_t batch_index, std::span<const size_t> indices,
-              const OptionalPosition* /*seek_before*/ = nullptr) {
+  void submit(int /*worker*/, uint64_t batch_index, std::span<const size_t> indices) {
     const BatchJob job{batch_index, pass_, indices};
     std::optional<WorkerScope> scope;
     if (core_->plan.scheduling == Scheduling::work_stealing) {
@@ -663,7 +700,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     progress_ = core_->progress;
     resume_ = std::exchange(core_->resume, std::nullopt);
     const bool iterable = core_->plan.kind == DatasetKind::iterable;
-    progress_->begin(iterable ? lanes_->count() : 0, lanes_->count());
+    progress_->begin(iterable ? lanes_->count() : 0, lanes_->count(), core_->plan.prefetch_to_device > 0);
     lanes_->begin_pass(static_cast<int64_t>(pass.seed), pass.epoch, *progress_, resume_ ? &*resume_ : nullptr);
     next_batch_ = 0;
     batches_.reset();
@@ -766,13 +803,14 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   // (a worker's replica ended). Throws a failed batch's error in its place.
   // `taken`: a finished job moved out of the window, or the inline lanes'
   // result in place.
-  bool take(Taken& taken, std::optional<batch_type>& out) {
+  [[gnu::always_inline]] inline bool take(Taken& taken, std::optional<batch_type>& out) {
     SlotResult<batch_type>& result = taken.payload;
     times_.fetch_ns += result.times.fetch_ns;
     times_.collate_ns += result.times.collate_ns;
     const bool output = result.error || result.batch;
     progress_->note_taken(TakeRecord{result.batch_index, result.ordinal, std::max(taken.lane, 0), output,
-                                     result.error != nullptr, result.end_of_replica, std::move(result.generator)});
+                                     result.error != nullptr, result.end_of_replica},
+                          std::move(result.generator));
     if (result.end_of_replica) {
       const auto worker = static_cast<size_t>(taken.lane);
       if (active_[worker]) {
@@ -809,17 +847,11 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
           return;
         }
         const uint64_t batch_index = next_batch_++;
-        const bool round_robin = core_->plan.scheduling == Scheduling::round_robin;
-        const OptionalPosition* seek_before = nullptr;
-        if (resume_) {
-          const ReceivedSet& received = resume_->position.batches;
-          if (received.contains(batch_index)) continue;
-          // The worker's previous batch was received out of turn: not made
-          // again, so its generator is set to where that batch left it.
-          if (round_robin && batch_index >= workers) seek_before = received.generator_after(batch_index - workers);
-        }
-        const int worker = round_robin ? static_cast<int>(batch_index % workers) : -1;
-        lanes_->submit(worker, batch_index, indices_, seek_before && *seek_before ? seek_before : nullptr);
+        if (resume_ && resume_->position.batches.contains(batch_index)) continue;
+        const int worker = core_->plan.scheduling == Scheduling::round_robin
+                               ? static_cast<int>(batch_index % workers)
+                               : -1;
+        lanes_->submit(worker, batch_index, indices_);
         ++submitted_;
       } else {
         if (active_count_ == 0) return;

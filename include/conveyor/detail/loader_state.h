@@ -45,7 +45,8 @@ struct ReceivedSet {
   void add(uint64_t number, OptionalPosition generator, Joined&& joined);
 };
 
-// One result fetch+collate took from its lanes.
+// One result fetch+collate took from its lanes. Plain data: one is noted
+// per batch (the generator that made it travels beside it, when there is one).
 struct TakeRecord {
   uint64_t batch_index = 0;
   // Iterable: the batch's number within its replica; with end_of_replica
@@ -55,9 +56,6 @@ struct TakeRecord {
   bool output = false;          // a batch or a failed batch: the consumer will receive it
   bool failed = false;          // a failed batch
   bool end_of_replica = false;  // iterable: that replica has no more
-  // round_robin: the generator that made it (the worker's, or the process's
-  // in the consumer's thread), after it.
-  OptionalPosition generator;
 };
 
 // Where an epoch stands, as received: what a state holds and a resume reads.
@@ -104,21 +102,50 @@ struct EpochProgress {
 
   // `lanes`: replicas of an iterable dataset (0: map-style); `workers`:
   // round_robin's worker count (a map-style batch's worker is its index
-  // modulo it).
-  void begin(size_t lanes, size_t workers);
-  // fetch+collate took a result.
-  void note_taken(TakeRecord record);
+  // modulo it). `deferred`: a stage between fetch+collate and the consumer
+  // runs ahead (to_device), so a result counts once the consumer has it;
+  // otherwise it counts when taken (the consumer has it then).
+  void begin(size_t lanes, size_t workers, bool deferred);
+  // fetch+collate took a result; under round_robin, `generator` is the one
+  // that made it (the worker's, or the process's in the consumer's thread),
+  // after it.
+  void note_taken(const TakeRecord& record, OptionalPosition&& generator) {
+    if (!deferred_) {
+      apply(record, generator);
+    } else {
+      defer(record, std::move(generator));
+    }
+  }
   // The consumer received the next batch (or failed batch): commits the
   // records up to it.
-  void commit_received();
+  void commit_received() {
+    if (deferred_) commit_deferred();
+  }
 
  private:
-  void apply(const TakeRecord& record);
+  // Once per batch: the common case (a map-style batch in turn, no
+  // generator to note) inline, the rest in apply_any.
+  void apply(const TakeRecord& record, const OptionalPosition& generator) {
+    EpochPosition& at = position;
+    if (record.output && !generator && at.lanes.empty() && record.batch_index == at.batches.prefix &&
+        at.batches.beyond.empty()) {
+      ++at.batches.prefix;
+      ++at.received;
+      return;
+    }
+    apply_any(record, generator);
+  }
+  void apply_any(const TakeRecord& record, const OptionalPosition& generator);
+  void defer(const TakeRecord& record, OptionalPosition&& generator);
+  void commit_deferred();
+  bool deferred_ = false;
   size_t workers_ = 1;
+  size_t mask_ = 0;  // pending_.size() - 1: the ring's size is a power of two
   // Iterable, by replica: the generator after its end was found (the last
   // draws it made), taken once every batch before it is received.
   std::vector<OptionalPosition> end_generators_;
   std::vector<TakeRecord> pending_;  // a ring: pending_head_ .. + pending_size_
+  std::vector<OptionalPosition> pending_generators_;  // beside it (round_robin)
   size_t pending_head_ = 0;
   size_t pending_size_ = 0;
 };

@@ -14,6 +14,7 @@
 // across passes (a pass as long as the last allocates nothing).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "conveyor/errors.h"
+#include "conveyor/state.h"
 
 namespace conveyor::detail {
 
@@ -100,6 +102,73 @@ class SavedDecisions {
 
  private:
   std::atomic<std::shared_ptr<const std::vector<uint64_t>>> decisions_;
+};
+
+// The order a node handing items out as they finish (a map with in_order =
+// false) handed its inputs out, by their number among upstream's outputs:
+// logged this pass, saved in a state, skipped over by a resumed pass.
+class CompletionOrder {
+ public:
+  // At each reset: `saved` is what a state holds for the node (null: none).
+  // `replays`: the node hands the saved order out again when pulled (not
+  // only when skipped), so a state taken before it has caught up saves it
+  // whole.
+  void reset(const State* saved, bool replays) {
+    log_.clear();
+    order_.clear();
+    at_ = 0;
+    drop_.clear();
+    if (saved) order_ = saved->at("inputs").as_uint_list("inputs");
+    if (replays) {
+      saved_.set(order_);
+    } else {
+      saved_.clear();
+    }
+  }
+
+  // Skips the next `count` saved outputs (a mux skips item by item, so it
+  // goes on from the last call). Returns how many the saved order covered,
+  // and the prefix of inputs it fills: the node's upstream skips to it, and
+  // the inputs handed out beyond it are dropped when pulled (dropped()).
+  struct Skipped {
+    uint64_t outputs = 0;
+    uint64_t prefix = 0;
+  };
+  Skipped skip(uint64_t count) {
+    const size_t end = std::min<size_t>(order_.size(), at_ + count);
+    std::vector<uint64_t> delivered(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(end));
+    std::sort(delivered.begin(), delivered.end());
+    Skipped skipped;
+    skipped.outputs = end - at_;
+    while (skipped.prefix < delivered.size() && delivered[skipped.prefix] == skipped.prefix) ++skipped.prefix;
+    drop_.assign(delivered.begin() + static_cast<std::ptrdiff_t>(skipped.prefix), delivered.end());
+    for (size_t k = at_; k < end; ++k) log_.append(static_cast<uint32_t>(order_[k]));
+    at_ = end;
+    return skipped;
+  }
+  // Handed out before the state was taken: not again.
+  bool dropped(uint64_t input) const {
+    return !drop_.empty() && std::binary_search(drop_.begin(), drop_.end(), input);
+  }
+  void handed_out(uint64_t input) { log_.append(static_cast<uint32_t>(input)); }
+
+  // The saved order not yet handed out again (for a node that replays it).
+  bool replaying() const noexcept { return at_ < order_.size(); }
+  uint64_t next_saved() { return order_[at_++]; }
+
+  // For a state: {"inputs": [...]}.
+  State to_state() const {
+    State out = State::object();
+    out.set("inputs", State::list(saved_.with(log_)));
+    return out;
+  }
+
+ private:
+  DecisionLog log_;
+  SavedDecisions saved_;
+  std::vector<uint64_t> order_;  // the saved order
+  size_t at_ = 0;                // its entries before this are handed out again
+  std::vector<uint64_t> drop_;   // sorted
 };
 
 }  // namespace conveyor::detail

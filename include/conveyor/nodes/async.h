@@ -356,13 +356,7 @@ class AsyncMap : public Stage<In, Out> {
   using Node<Out>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
-    log_.clear();
-    replay_.clear();
-    replay_at_ = 0;
-    drop_.clear();
-    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
-      replay_ = saved->at("inputs").as_uint_list("inputs");
-    }
+    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/false);
   }
   // As a parallel map's (ParallelMap::skip): in order, one output per input
   // without fn starting; out of order, the saved log's inputs. Unlike a
@@ -377,37 +371,13 @@ class AsyncMap : public Stage<In, Out> {
       inputs_ += skipped;
       return skipped;
     }
-    // Called again (a mux skips item by item): the saved log goes on.
-    const size_t end = std::min<size_t>(replay_.size(), replay_at_ + count);
-    const uint64_t logged = end - replay_at_;
-    std::vector<uint64_t> delivered(replay_.begin(), replay_.begin() + static_cast<std::ptrdiff_t>(end));
-    std::sort(delivered.begin(), delivered.end());
-    uint64_t prefix = 0;
-    while (prefix < delivered.size() && delivered[prefix] == prefix) ++prefix;
-    if (clean) {
-      if (prefix > inputs_) this->skip_upstream(prefix - inputs_, true);
-    } else {
-      for (uint64_t k = inputs_; k < prefix; ++k) {
-        try {
-          if (!this->pull()) break;
-        } catch (...) {
-          // Upstream failed there before too; the failure was handed out.
-        }
-      }
-    }
-    inputs_ = std::max(inputs_, prefix);
-    drop_.assign(delivered.begin() + static_cast<std::ptrdiff_t>(prefix), delivered.end());
-    for (size_t k = replay_at_; k < end; ++k) log_.append(static_cast<uint32_t>(replay_[k]));
-    replay_at_ = end;
-    return logged + (count > logged ? Stage<In, Out>::skip(count - logged, clean) : 0);
+    const conveyor::detail::CompletionOrder::Skipped skipped = order_.skip(count);
+    if (skipped.prefix > inputs_) this->pass_over_upstream(skipped.prefix - inputs_, clean);
+    inputs_ = std::max(inputs_, skipped.prefix);
+    return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
   }
   void save_extras(State& nodes) const override {
-    if (!options_.in_order) {
-      State mine = State::object();
-      const std::vector<uint32_t> inputs = log_.read_all();
-      mine.set("inputs", State::list(std::vector<uint64_t>(inputs.begin(), inputs.end())));
-      nodes.set(std::to_string(this->id_), std::move(mine));
-    }
+    if (!options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
     Stage<In, Out>::save_extras(nodes);
   }
 
@@ -460,7 +430,7 @@ class AsyncMap : public Stage<In, Out> {
         }
       } catch (...) {
         ++inputs_;
-        if (dropped(input)) continue;
+        if (order_.dropped(input)) continue;
         const uint32_t index = claim();
         upstream_error_[index] = std::current_exception();
         inputs_of_[index] = input;
@@ -472,14 +442,9 @@ class AsyncMap : public Stage<In, Out> {
         return;
       }
       ++inputs_;
-      if (dropped(input)) continue;
+      if (order_.dropped(input)) continue;
       start(std::move(*item), input);
     }
-  }
-  // A resumed pass with in_order = false: handed out before the state was
-  // taken, so not again.
-  bool dropped(uint64_t input) const {
-    return !drop_.empty() && std::binary_search(drop_.begin(), drop_.end(), input);
   }
 
   // The next slot and ticket: in order, ticket t lives in slot (t - 1) %
@@ -577,7 +542,7 @@ class AsyncMap : public Stage<In, Out> {
     // Out of order, what is handed out (a failure too) is logged for a
     // state; an item dropped under OnError::skip is not handed out.
     const bool handed_out = !error || upstream_error || options_.on_error != OnError::skip;
-    if (!options_.in_order && handed_out) log_.append(static_cast<uint32_t>(inputs_of_[index]));
+    if (!options_.in_order && handed_out) order_.handed_out(inputs_of_[index]);
     if (upstream_error) std::rethrow_exception(upstream_error);  // named upstream already
     if (error) {
       if (options_.on_error == OnError::skip) {
@@ -628,12 +593,9 @@ class AsyncMap : public Stage<In, Out> {
   std::vector<uint64_t> positions_;                 // by slot: the item's input position
   std::vector<uint64_t> inputs_of_;                 // by slot: its number among upstream's outputs
   uint64_t inputs_ = 0;                             // upstream's outputs pulled this pass, failures included
-  // in_order = false: the inputs handed out this pass, the saved ones of a
-  // resumed pass, those not to hand out again (sorted). See ParallelMap.
-  conveyor::detail::DecisionLog log_;
-  std::vector<uint64_t> replay_;
-  size_t replay_at_ = 0;
-  std::vector<uint64_t> drop_;
+  // in_order = false: the order inputs were handed out in, and a resumed
+  // pass's saved one (skipped over, not handed out again: see skip()).
+  conveyor::detail::CompletionOrder order_;
   std::vector<std::exception_ptr> upstream_error_;  // by slot: an upstream error holding the place
   std::vector<uint32_t> free_;                      // out of order: free slots
   std::deque<uint32_t> ready_;                      // out of order: delivered, not yet taken

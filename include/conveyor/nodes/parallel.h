@@ -151,15 +151,8 @@ class ParallelMap final
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
     executor_.join(walk, options_.workers);
-    log_.clear();
-    replay_.clear();
-    replay_at_ = 0;
-    drop_.clear();
     pending_.clear();
-    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
-      replay_ = saved->at("inputs").as_uint_list("inputs");
-    }
-    saved_.set(replay_);
+    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
   }
 
   // In order, one output per input: upstream skips without f running (a
@@ -174,43 +167,20 @@ class ParallelMap final
       inputs_ += skipped;
       return skipped;
     }
-    // Called again (a mux skips item by item): the saved log goes on.
-    const size_t end = std::min<size_t>(replay_.size(), replay_at_ + count);
-    const uint64_t logged = end - replay_at_;
-    std::vector<uint64_t> delivered(replay_.begin(), replay_.begin() + static_cast<std::ptrdiff_t>(end));
-    std::sort(delivered.begin(), delivered.end());
-    uint64_t prefix = 0;
-    while (prefix < delivered.size() && delivered[prefix] == prefix) ++prefix;
-    if (clean) {
-      if (prefix > inputs_) this->skip_upstream(prefix - inputs_, true);
-    } else {
-      for (uint64_t k = inputs_; k < prefix; ++k) {
-        try {
-          if (!this->pull()) break;
-        } catch (...) {
-          // Upstream failed there before too; the failure was handed out.
-        }
-      }
-    }
-    inputs_ = std::max(inputs_, prefix);
-    drop_.assign(delivered.begin() + static_cast<std::ptrdiff_t>(prefix), delivered.end());
-    for (size_t k = replay_at_; k < end; ++k) log_.append(static_cast<uint32_t>(replay_[k]));
-    replay_at_ = end;
-    return logged + (count > logged ? Stage<In, Out>::skip(count - logged, clean) : 0);
+    const conveyor::detail::CompletionOrder::Skipped skipped = order_.skip(count);
+    if (skipped.prefix > inputs_) this->pass_over_upstream(skipped.prefix - inputs_, clean);
+    inputs_ = std::max(inputs_, skipped.prefix);
+    return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
   }
   // With in_order = false: the inputs handed out, in their order.
   void save_extras(State& nodes) const override {
-    if (!options_.in_order) {
-      State mine = State::object();
-      mine.set("inputs", State::list(saved_.with(log_)));
-      nodes.set(std::to_string(this->id_), std::move(mine));
-    }
+    if (!options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
     Stage<In, Out>::save_extras(nodes);
   }
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
-    while (replay_at_ < replay_.size()) {
+    while (order_.replaying()) {
       if (replay(out)) return out;
     }
     while (true) {
@@ -246,7 +216,7 @@ class ParallelMap final
   using Window = conveyor::detail::SequencedWindow<detail::Result<Out>, std::optional<In>>;
 
   Poll poll(std::optional<Out>& out) {
-    while (replay_at_ < replay_.size()) {
+    while (order_.replaying()) {
       if (replay(out)) return Poll::ready;
     }
     while (true) {
@@ -299,7 +269,7 @@ class ParallelMap final
         item = this->pull();
       } catch (...) {
         ++inputs_;
-        if (dropped(input)) continue;
+        if (order_.dropped(input)) continue;
         upstream_error_ = std::current_exception();
         upstream_error_input_ = input;
         break;
@@ -309,7 +279,7 @@ class ParallelMap final
         return;
       }
       ++inputs_;
-      if (dropped(input)) continue;
+      if (order_.dropped(input)) continue;
       // What f leaves of the input is freed when its result is taken, on
       // this thread, which made it (glibc's per-thread cache takes it back
       // cheaply; a batch of samples f only reads is all of it).
@@ -319,13 +289,8 @@ class ParallelMap final
       window().submit();
     }
     if (!upstream_error_ || window().in_flight() > 0) return;
-    if (!options_.in_order) log_.append(static_cast<uint32_t>(upstream_error_input_));
+    if (!options_.in_order) order_.handed_out(upstream_error_input_);
     std::rethrow_exception(std::exchange(upstream_error_, nullptr));
-  }
-  // A resumed pass with in_order = false: handed out before the state was
-  // taken, so not again.
-  bool dropped(uint64_t input) const {
-    return !drop_.empty() && std::binary_search(drop_.begin(), drop_.end(), input);
   }
 
   // A resumed pass with in_order = false whose outputs a node downstream
@@ -335,7 +300,7 @@ class ParallelMap final
   // input order: at most a window); fill() submits what is left of them
   // first once the replay is over. True with an item in `out`.
   bool replay(std::optional<Out>& out) {
-    const uint64_t wanted = replay_[replay_at_++];
+    const uint64_t wanted = order_.next_saved();
     while (inputs_ <= wanted) {
       const uint64_t input = inputs_;
       Pending pending;
@@ -352,7 +317,7 @@ class ParallelMap final
       }
       ++inputs_;
       pending.position = this->position();
-      if (!dropped(input)) pending_.emplace(input, std::move(pending));
+      if (!order_.dropped(input)) pending_.emplace(input, std::move(pending));
     }
     auto it = pending_.find(wanted);
     if (it == pending_.end()) {
@@ -360,7 +325,7 @@ class ParallelMap final
     }
     Pending pending = std::move(it->second);
     pending_.erase(it);
-    log_.append(static_cast<uint32_t>(wanted));
+    order_.handed_out(wanted);
     if (pending.error) std::rethrow_exception(pending.error);  // upstream's, named there
     conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, pending.position));
     try {
@@ -384,14 +349,14 @@ class ParallelMap final
         this->meter_.skipped.add(1);
         return false;
       }
-      if (!options_.in_order) log_.append(static_cast<uint32_t>(result.input));
+      if (!options_.in_order) order_.handed_out(result.input);
       try {
         std::rethrow_exception(result.error);
       } catch (...) {
         conveyor::detail::throw_node_error(name(), result.position);
       }
     }
-    if (!options_.in_order) log_.append(static_cast<uint32_t>(result.input));
+    if (!options_.in_order) order_.handed_out(result.input);
     out = std::move(result.value);
     return true;
   }
@@ -421,14 +386,9 @@ class ParallelMap final
   std::exception_ptr upstream_error_;
   uint64_t upstream_error_input_ = 0;
   uint64_t inputs_ = 0;  // upstream's outputs pulled this pass, failures included
-  // in_order = false: the inputs handed out this pass (their order is
-  // timing's), the saved ones of a resumed pass, and those not to hand out
-  // again (sorted).
-  conveyor::detail::DecisionLog log_;
-  conveyor::detail::SavedDecisions saved_;  // replay_, for a state taken before the log catches up
-  std::vector<uint64_t> replay_;
-  size_t replay_at_ = 0;  // replay_'s entries before it are handed out again
-  std::vector<uint64_t> drop_;
+  // in_order = false: the order inputs were handed out in (timing's), and
+  // a resumed pass's saved one.
+  conveyor::detail::CompletionOrder order_;
   // Pulled during a replay before their turn, by input.
   struct Pending {
     std::optional<In> item;

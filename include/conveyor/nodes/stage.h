@@ -195,6 +195,21 @@ class Stage : public MeteredNode<Out> {
     position_ += skipped;
     return skipped;
   }
+  // The same where failures may be among them: pulled and dropped, so that
+  // positions count items only, as pull() does.
+  void pass_over_upstream(uint64_t count, bool clean) {
+    if (clean) {
+      skip_upstream(count, clean);
+      return;
+    }
+    for (uint64_t k = 0; k < count; ++k) {
+      try {
+        if (!pull()) return;
+      } catch (...) {
+        // It failed there the first time too, and that failure was handed out.
+      }
+    }
+  }
 
   // The next upstream item, counting positions (the input's, for errors).
   std::optional<In> pull() {

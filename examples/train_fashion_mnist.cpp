@@ -5,8 +5,8 @@
 //                       [--source idx|shards] [--shards DIR|URL-pattern] [--data DIR]
 //                       [--scheduling work_stealing|round_robin] [--threads N]
 //                       [--limit N] [--lr 0.002] [--loader-only] [--pin-memory]
-//                       [--distributed] [--checkpoint DIR [--checkpoint-every N]]
-//                       [--resume DIR]
+//                       [--distributed] [--checkpoint DIR [--checkpoint-every N]
+//                       [--auto-resume]] [--resume DIR]
 //
 // Prints a progress bar per epoch (samples/s, loss, data stall: the share of
 // the epoch the trainer spent waiting for the loader), test accuracy after
@@ -27,6 +27,10 @@
 // DIR, atomically (examples/trainer_checkpoint.h). --resume DIR continues
 // from the last one, mid-epoch: a run killed with SIGKILL and resumed ends
 // with the same loss-curve fingerprint and accuracy as one never stopped.
+// --auto-resume continues from --checkpoint's DIR when it holds one (what a
+// job torchrun restarts with --max-restarts wants). Under --distributed each
+// rank keeps DIR/rank-R, every rank saves at the same step, and a resumed
+// job's ranks agree on the checkpoint they all have.
 #include <conveyor/conveyor.h>
 #if CONVEYOR_HAVE_CUDA
 #include <conveyor/cuda.h>
@@ -87,6 +91,7 @@ struct Flags {
   std::string checkpoint;      // save checkpoints into this directory
   int64_t checkpoint_every = 0;  // steps between checkpoints (0: with --checkpoint, 100)
   std::string resume;          // continue from the checkpoint in this directory
+  bool auto_resume = false;    // continue from --checkpoint's directory if it holds one
 };
 
 [[noreturn]] void usage(const std::string& problem) {
@@ -96,7 +101,7 @@ struct Flags {
                "       [--source idx|shards] [--data DIR] [--shards DIR|URL-pattern]\n"
                "       [--scheduling work_stealing|round_robin] [--threads N] [--limit N] [--lr X]\n"
                "       [--loader-only] [--pin-memory] [--distributed]\n"
-               "       [--checkpoint DIR [--checkpoint-every N]] [--resume DIR]\n",
+               "       [--checkpoint DIR [--checkpoint-every N] [--auto-resume]] [--resume DIR]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -125,6 +130,10 @@ Flags parse(int argc, char** argv) {
     }
     if (name == "--distributed") {
       flags.distributed = true;
+      continue;
+    }
+    if (name == "--auto-resume") {
+      flags.auto_resume = true;
       continue;
     }
     if (i + 1 >= argc) usage(name + " needs a value");
@@ -173,9 +182,8 @@ Flags parse(int argc, char** argv) {
   }
   if (flags.checkpoint_every > 0 && flags.checkpoint.empty()) usage("--checkpoint-every needs --checkpoint DIR");
   if (!flags.checkpoint.empty() && flags.checkpoint_every == 0) flags.checkpoint_every = 100;
-  if (flags.distributed && (!flags.checkpoint.empty() || !flags.resume.empty())) {
-    usage("--checkpoint and --resume are for one process; a --distributed job does not checkpoint yet");
-  }
+  if (flags.auto_resume && flags.checkpoint.empty()) usage("--auto-resume needs --checkpoint DIR");
+  if (flags.auto_resume && !flags.resume.empty()) usage("--auto-resume resumes from --checkpoint's DIR: drop --resume");
   if (flags.loader_only && (!flags.checkpoint.empty() || !flags.resume.empty())) {
     usage("--loader-only trains nothing to checkpoint");
   }
@@ -460,14 +468,43 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
   run.set("lr", flags.lr);
   run.set("limit", flags.limit);
   run.set("epochs", static_cast<int64_t>(flags.epochs));
+  run.set("world", static_cast<int64_t>(job.world));
+  // Each rank of a job keeps checkpoints of its own.
+  auto rank_dir = [&job](const std::string& dir) {
+    return job.distributed() ? dir + "/rank-" + std::to_string(job.rank) : dir;
+  };
   // A resumed run: where it starts, and the counters it carries on.
   int first_epoch = 0;
   uint64_t global_step = 0;
   std::optional<conveyor::State> resumed;
-  if (!flags.resume.empty()) {
-    resumed = conveyor::examples::load_checkpoint(flags.resume, net, optimizer);
+  const std::string resume_from = flags.auto_resume ? flags.checkpoint : flags.resume;
+  if (!resume_from.empty()) {
+    std::optional<uint64_t> step = conveyor::examples::latest_checkpoint_step(rank_dir(resume_from));
+#if CONVEYOR_HAVE_DISTRIBUTED
+    if (job.distributed()) {
+      // A crash between two ranks' saves leaves them one checkpoint apart:
+      // all take the older, which each keeps. None anywhere: none at all.
+      int64_t agreed = step ? static_cast<int64_t>(*step) : -1;
+      job.group->run("agreement on the checkpoint to resume", [&](c10d::ProcessGroup& pg) {
+        std::vector<at::Tensor> value{torch::full({1}, agreed, torch::kInt64)};
+        c10d::AllreduceOptions options;
+        options.reduceOp = c10d::ReduceOp::MIN;
+        pg.allreduce(value, options)->wait();
+        agreed = value[0].item<int64_t>();
+      });
+      step = agreed < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(agreed));
+    }
+#endif
+    if (!step && !flags.auto_resume) {
+      throw conveyor::StateError("--resume " + resume_from + ": no checkpoint there (no " + rank_dir(resume_from) +
+                                 "/latest)");
+    }
+    if (step) resumed = conveyor::examples::load_checkpoint(rank_dir(resume_from), *step, net, optimizer);
+    if (!step && job.lead()) std::printf("no checkpoint in %s yet: starting afresh\n", resume_from.c_str());
+  }
+  if (resumed) {
     if (!(resumed->at("run") == run)) {
-      throw conveyor::StateError("--resume " + flags.resume + ": the checkpoint was saved by a run with " +
+      throw conveyor::StateError("resuming from " + resume_from + ": the checkpoint was saved by a run with " +
                                  resumed->at("run").to_json() + ", this one has " + run.to_json());
     }
     loader.load_state_dict(resumed->at("loader"));
@@ -478,28 +515,37 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
     total_seconds = resumed->at("total_seconds").as_double();
     total_wait = resumed->at("total_wait").as_double();
     total_samples = resumed->uint_at("total_samples");
-    std::printf("resumed from %s: epoch %d, step %llu of the run, %llu steps into the epoch\n", flags.resume.c_str(),
-                first_epoch + 1, static_cast<unsigned long long>(global_step),
-                static_cast<unsigned long long>(resumed->uint_at("steps")));
+    if (job.lead()) {
+      std::printf("resumed from %s: epoch %d, step %llu of the run, %llu steps into the epoch\n",
+                  resume_from.c_str(), first_epoch + 1, static_cast<unsigned long long>(global_step),
+                  static_cast<unsigned long long>(resumed->uint_at("steps")));
+    }
   }
   for (int epoch = first_epoch; epoch < flags.epochs; ++epoch) {
-    loader.set_epoch(static_cast<uint64_t>(epoch));
     Progress progress(epoch, flags.epochs, samples_per_epoch);
     const auto start = Clock::now();
     double waited = 0, running_loss = 0;
     size_t done = 0, steps = 0;
+    // --distributed: padding the epoch with a second pass, which the
+    // loader's state resumes (it is the loader's next epoch, not this one).
+    bool resumed_padding = false;
+    size_t resumed_read = 0, resumed_padded = 0;
     if (resumed && epoch == first_epoch) {
       steps = resumed->uint_at("steps");
       done = resumed->uint_at("done");
       running_loss = resumed->at("running_loss").as_double();
+      resumed_padding = resumed->bool_at("padding");
+      resumed_read = resumed->uint_at("read");
+      resumed_padded = resumed->uint_at("padded");
       resumed.reset();
     }
+    if (!resumed_padding) loader.set_epoch(static_cast<uint64_t>(epoch));
     // --distributed: every rank runs the same number of steps, or the one
     // with more would wait forever in its last allreduce. A rank with fewer
     // batches pads by starting its share again, as DistributedSampler pads.
     size_t agreed_steps = std::numeric_limits<size_t>::max();
-    size_t local = 0, local_batches = 0, fewest = 0, padded = 0, read = 0;
-    bool padding = false;  // on a second pass over this rank's share
+    size_t local = 0, local_batches = 0, fewest = 0, padded = resumed_padded, read = resumed_read;
+    bool padding = resumed_padding;  // on a second pass over this rank's share
 #if CONVEYOR_HAVE_DISTRIBUTED
     if (job.distributed()) {
       local = job.local_samples();
@@ -573,10 +619,20 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
         trainer.set("total_seconds", total_seconds);
         trainer.set("total_wait", total_wait);
         trainer.set("total_samples", static_cast<uint64_t>(total_samples));
+        trainer.set("padding", padding);
+        trainer.set("read", static_cast<uint64_t>(read));
+        trainer.set("padded", static_cast<uint64_t>(padded));
         trainer.set("loader", loader.state_dict());
-        conveyor::examples::save_checkpoint(flags.checkpoint, global_step, net, optimizer, trainer);
+        const std::string mine = rank_dir(flags.checkpoint);
+        const std::string name =
+            conveyor::examples::write_checkpoint(mine, global_step, net, optimizer, trainer);
+#if CONVEYOR_HAVE_DISTRIBUTED
+        // Every rank has written this step before any names it latest.
+        if (job.distributed()) job.group->barrier();
+#endif
+        conveyor::examples::publish_checkpoint(mine, name);
       }
-      conveyor::examples::maybe_killed_at(global_step);
+      conveyor::examples::maybe_killed_at(global_step, job.rank);
       const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (job.lead()) progress.update(done, seconds, running_loss, seconds > 0 ? waited / seconds : 0);
     }

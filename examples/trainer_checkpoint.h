@@ -9,7 +9,9 @@
 //                      (conveyor::save_state_file) once the directory is whole
 //
 // A crash before `latest` is replaced leaves it naming the previous
-// checkpoint, which is deleted only after. CONVEYOR_TRAINER_KILL_IN_SAVE=N
+// checkpoint; the one before that is deleted only after. A job of many ranks
+// keeps one DIR per rank (DIR/rank-R), writes, waits for every rank at a
+// barrier, then publishes. CONVEYOR_TRAINER_KILL_IN_SAVE=N
 // (tests) kills the process with SIGKILL in the middle of step N's save.
 #pragma once
 
@@ -24,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 namespace conveyor::examples {
@@ -44,11 +47,12 @@ inline uint64_t env_step(const char* name) {
 }
 }  // namespace checkpoint_detail
 
-// Saves checkpoint `step` into `dir`; `trainer` holds the counters and the
-// loader's state. Returns the checkpoint's directory.
+// Writes checkpoint `step` into `dir` (its directory whole, but not yet
+// the one `latest` names: publish_checkpoint does that). `trainer` holds the
+// counters and the loader's state. Returns the checkpoint's name.
 template <class Net, class Optimizer>
-std::string save_checkpoint(const std::string& dir, uint64_t step, Net& net, Optimizer& optimizer,
-                            const conveyor::State& trainer) {
+std::string write_checkpoint(const std::string& dir, uint64_t step, Net& net, Optimizer& optimizer,
+                             const conveyor::State& trainer) {
   namespace fs = std::filesystem;
   using checkpoint_detail::fsync_path;
   char name[32];
@@ -69,27 +73,51 @@ std::string save_checkpoint(const std::string& dir, uint64_t step, Net& net, Opt
   fs::remove_all(final_dir);
   fs::rename(staging, final_dir);
   fsync_path(root.string(), true);
-  conveyor::State latest = conveyor::State::object();
-  latest.set("checkpoint", std::string(name));
-  conveyor::save_state_file((root / "latest").string(), latest);  // the switch
-  for (const auto& entry : fs::directory_iterator(root)) {
-    const std::string other = entry.path().filename().string();
-    if (entry.is_directory() && other.starts_with("step-") && other != name) fs::remove_all(entry.path());
-  }
-  return final_dir.string();
+  return name;
 }
 
-// Loads the checkpoint `dir`/latest names into `net` and `optimizer` and
-// LibTorch's generator; returns its trainer.json.
-template <class Net, class Optimizer>
-conveyor::State load_checkpoint(const std::string& dir, Net& net, Optimizer& optimizer) {
+// Makes checkpoint `name` the one `dir`/latest names (atomically), then
+// deletes all but it and the one before it: the ranks of a job may be one
+// checkpoint apart after a crash, and agree on the older (agreed_step).
+inline void publish_checkpoint(const std::string& dir, const std::string& name) {
   namespace fs = std::filesystem;
-  const conveyor::State latest = conveyor::load_state_file((fs::path(dir) / "latest").string());
-  const std::string& name = latest.string_at("checkpoint");
+  std::string previous;
+  if (fs::exists(fs::path(dir) / "latest")) {
+    previous = conveyor::load_state_file((fs::path(dir) / "latest").string()).string_at("checkpoint");
+  }
+  conveyor::State latest = conveyor::State::object();
+  latest.set("checkpoint", name);
+  conveyor::save_state_file((fs::path(dir) / "latest").string(), latest);  // the switch
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string other = entry.path().filename().string();
+    if (entry.is_directory() && other.starts_with("step-") && other != name && other != previous) {
+      fs::remove_all(entry.path());
+    }
+  }
+}
+
+// The step of the checkpoint `dir`/latest names; nullopt when there is none.
+inline std::optional<uint64_t> latest_checkpoint_step(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (!fs::exists(fs::path(dir) / "latest")) return std::nullopt;
+  const std::string name = conveyor::load_state_file((fs::path(dir) / "latest").string()).string_at("checkpoint");
   if (!name.starts_with("step-") || name.find('/') != std::string::npos) {
     throw conveyor::StateError("checkpoint: " + dir + "/latest names '" + name + "', not a checkpoint of this trainer");
   }
+  return std::strtoull(name.c_str() + 5, nullptr, 10);
+}
+
+// Loads checkpoint `step` of `dir` into `net`, `optimizer` and LibTorch's
+// generator; returns its trainer.json.
+template <class Net, class Optimizer>
+conveyor::State load_checkpoint(const std::string& dir, uint64_t step, Net& net, Optimizer& optimizer) {
+  namespace fs = std::filesystem;
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%09llu", static_cast<unsigned long long>(step));
   const fs::path checkpoint = fs::path(dir) / name;
+  if (!fs::is_directory(checkpoint)) {
+    throw conveyor::StateError("checkpoint: " + checkpoint.string() + " is missing");
+  }
   torch::load(net, (checkpoint / "model.pt").string());
   torch::load(optimizer, (checkpoint / "optimizer.pt").string());
   torch::Tensor rng;
@@ -100,9 +128,14 @@ conveyor::State load_checkpoint(const std::string& dir, Net& net, Optimizer& opt
 }
 
 // Tests: CONVEYOR_TRAINER_KILL_AT_STEP=N kills the process with SIGKILL
-// right after step N (no cleanup, as a preemption would).
-inline void maybe_killed_at(uint64_t step) {
-  if (checkpoint_detail::env_step("CONVEYOR_TRAINER_KILL_AT_STEP") == step) std::raise(SIGKILL);
+// right after step N (no cleanup, as a preemption would); with
+// CONVEYOR_TRAINER_KILL_RANK=R only rank R, and never in a job torchrun has
+// restarted (TORCHELASTIC_RESTART_COUNT > 0).
+inline void maybe_killed_at(uint64_t step, int rank) {
+  if (checkpoint_detail::env_step("CONVEYOR_TRAINER_KILL_AT_STEP") != step) return;
+  if (const char* only = std::getenv("CONVEYOR_TRAINER_KILL_RANK"); only && std::atoi(only) != rank) return;
+  if (checkpoint_detail::env_step("TORCHELASTIC_RESTART_COUNT") > 0) return;
+  std::raise(SIGKILL);
 }
 
 }  // namespace conveyor::examples

@@ -100,7 +100,7 @@ class DataLoader {
         progress_->commit_received();
         note_yielded();
       } else {
-        progress_->ended = true;
+        progress_->commit_end();
       }
       return batch;
     }

@@ -322,11 +322,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     for (size_t w = 0; w < workers_.size(); ++w) {
       Worker& worker = workers_[w];
       worker.seek_start.reset();
-      if (persistent_ && worker.tail && worker.last_made < static_cast<int64_t>(worker.tail->first)) {
-        worker.seek_to = worker.tail->second;  // see Worker::tail
-      }
-      worker.tail.reset();
-      worker.last_made = -1;
+      worker.first_position.reset();
       worker.info.seed = static_cast<uint64_t>(base_seed) + w;
       if (pass_ == 1 || !persistent_) {
         worker.generator = Generator(worker.info.seed);
@@ -362,18 +358,13 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
       skipped_beyond_ = resume->position.batches.beyond;
     }
     // Map-style batches received out of turn are not made again: the same
-    // worker's next batch starts where one left its generator
-    // (seek_before_, by batch), and a worker's last ones leave it there at
-    // the pass's end (Worker::tail).
+    // worker's next batch starts where one left its generator (by batch).
     seek_before_.clear();
     if (resume && !per_batch_generators_ && !workers_.empty()) {
       const ReceivedSet& received = resume->position.batches;
       for (size_t i = 0; i < received.beyond.size(); ++i) {
-        if (!received.beyond_generators[i]) continue;
-        seek_before_.emplace_back(received.beyond[i] + workers_.size(), *received.beyond_generators[i]);
-        Worker& worker = workers_[received.beyond[i] % workers_.size()];
-        if (!worker.tail || worker.tail->first < received.beyond[i]) {
-          worker.tail.emplace(received.beyond[i], *received.beyond_generators[i]);
+        if (received.beyond_generators[i]) {
+          seek_before_.emplace_back(received.beyond[i] + workers_.size(), *received.beyond_generators[i]);
         }
       }
     }
@@ -386,15 +377,37 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
   std::vector<std::optional<GeneratorPosition>> generator_positions() const {
     std::vector<std::optional<GeneratorPosition>> positions;
     for (const Worker& worker : workers_) {
-      if (worker.tail && worker.last_made < static_cast<int64_t>(worker.tail->first)) {
-        positions.push_back(worker.tail->second);
-      } else if (worker.seek_to) {
-        positions.push_back(worker.seek_to);
-      } else {
-        positions.push_back(worker.generator.position());
-      }
+      positions.push_back(worker.seek_to ? worker.seek_to : worker.generator.position());
     }
     return positions;
+  }
+
+  // The pass is over (finished or left: the consumer's thread, after its
+  // jobs were cancelled or waited for). Persistent round_robin workers carry
+  // their generators into the next pass from where the consumer's last batch
+  // from each left it (else where the pass began it): batches made ahead and
+  // never received (an epoch left early) draw nothing that lasts, so the
+  // next epoch is the same however far the workers had run ahead, and the
+  // same after a resume. Applied at the worker's next job, after
+  // worker_init_fn.
+  void rewind_to_received(const EpochPosition& at) {
+    if (!persistent_ || per_batch_generators_) return;
+    for (size_t w = 0; w < workers_.size(); ++w) {
+      Worker& worker = workers_[w];
+      OptionalPosition latest = w < at.generators.size() ? at.generators[w] : std::nullopt;
+      if (at.lanes.empty()) {
+        const ReceivedSet& received = at.batches;
+        for (size_t i = 0; i < received.beyond.size(); ++i) {
+          if (received.beyond[i] % workers_.size() == w && received.beyond_generators[i]) {
+            latest = received.beyond_generators[i];  // sorted: the last wins
+          }
+        }
+      } else if (w < at.lanes.size() && !at.lanes[w].beyond_generators.empty()) {
+        latest = at.lanes[w].beyond_generators.back();
+      }
+      if (!latest) latest = worker.first_position;
+      if (latest) worker.seek_to = std::move(latest);
+    }
   }
 
   // One pass at a time may use a persistent pool. Consumer thread only.
@@ -410,11 +423,9 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     Generator generator;
     std::optional<GeneratorPosition> seek_to;  // a resumed pass: where its first job puts the generator
     std::optional<GeneratorPosition> seek_start;  // iterable, a resumed pass: see PendingSeek::start
-    // A resumed pass: its latest batch received out of turn (not made
-    // again) and the generator after it; and the latest batch it made this
-    // pass (written by the worker, read by the consumer between passes).
-    std::optional<std::pair<uint64_t, GeneratorPosition>> tail;
-    int64_t last_made = -1;
+    // The generator as the worker's first job of the pass found it (written
+    // by the worker, read by the consumer between passes).
+    std::optional<GeneratorPosition> first_position;
   };
 
   void init_worker(int worker) override {
@@ -430,6 +441,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     if (per_batch_generators_) {
       scope.emplace(&mine.info, work_stealing_seed(base_seed_, epoch_, out.batch_index));
     } else {
+      if (!mine.first_position) mine.first_position = mine.generator.position();
       scope.emplace(&mine.info, &mine.generator);
       // A resumed pass: this worker's previous batch was received out of
       // turn and is not made again; its generator goes where that batch
@@ -443,10 +455,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     (void)job;
     work_.run(BatchJob{out.batch_index, pass_, indices}, out, worker, init_failure,
               PendingSeek{&mine.generator, &mine.seek_to, &mine.seek_start});
-    if (!per_batch_generators_) {
-      out.generator = mine.generator.position();
-      mine.last_made = std::max(mine.last_made, static_cast<int64_t>(out.batch_index));
-    }
+    if (!per_batch_generators_) out.generator = mine.generator.position();
   }
 
   BatchWork<D, C> work_;
@@ -515,6 +524,7 @@ class WorkerLanes {
   void begin_pass(int64_t base_seed, uint64_t epoch, EpochProgress& progress, const LoaderResume* resume) {
     window_.cancel();
     pool_->begin_pass(base_seed, epoch, progress, resume);
+    progress_ = &progress;
   }
 
   // Cancels what is queued, waits for what runs, frees every slot. Never
@@ -532,6 +542,7 @@ class WorkerLanes {
       return;
     }
     window_.cancel();
+    if (progress_) pool_->rewind_to_received(progress_->position);
     pool_->leased = false;
   }
 
@@ -566,6 +577,8 @@ class WorkerLanes {
   std::shared_ptr<Pool> pool_;
   typename Pool::Window& window_;
   bool timed_out_ = false;  // a wait ran into the timeout this pass
+  // The pass's (owned by fetch+collate, which outlives these lanes).
+  const EpochProgress* progress_ = nullptr;
 };
 
 // num_workers == 0: each job runs in the consumer's thread when submitted,
@@ -582,6 +595,11 @@ class InlineLanes {
 
   explicit InlineLanes(std::shared_ptr<Core> core) : core_(std::move(core)), work_(*core_, 1) {
     made_.lane = 0;  // the only lane
+  }
+  // A resumed pass left before it made a batch leaves the process generator
+  // where the saved one had it.
+  ~InlineLanes() {
+    if (seek_to_) default_generator().seek(*seek_to_);
   }
 
   // Under round_robin the dataset draws from the process's generator, which
@@ -730,7 +748,30 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
         }
       }
     }
-    if (core_->plan.kind == DatasetKind::map) batches_ = core_->plan.index_sampler->iter();
+    if (core_->plan.kind == DatasetKind::map) {
+      batches_ = core_->plan.index_sampler->iter();
+      if (resume_) replay_received_prefix();
+    }
+  }
+
+  // A resumed pass draws the batches its consumer had received in turn
+  // from the sampler now, not when first asked: a consumer that leaves the
+  // epoch at once still leaves the generators where the saved one did.
+  void replay_received_prefix() {
+    const uint64_t prefix = resume_->position.batches.prefix;
+    try {
+      while (next_batch_ < prefix) {
+        if (!batches_->next(indices_)) {
+          sampler_done_ = true;
+          return;
+        }
+        ++next_batch_;
+      }
+    } catch (...) {
+      sampler_error_ = std::current_exception();
+      return;
+    }
+    lanes_->seek_generator();
   }
 
   std::string name() const override {

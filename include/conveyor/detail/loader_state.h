@@ -121,6 +121,12 @@ struct EpochProgress {
   void commit_received() {
     if (deferred_) commit_deferred();
   }
+  // The consumer received the end: every record is committed (a replica's
+  // end found after the last batch among them).
+  void commit_end() {
+    ended = true;
+    while (deferred_ && pending_size_ > 0) commit_deferred();
+  }
 
  private:
   // Once per batch: the common case (a map-style batch in turn, no

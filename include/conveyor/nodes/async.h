@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -325,6 +326,9 @@ class AsyncMap : public Stage<In, Out> {
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
+    while (order_.replaying()) {
+      if (replay(out)) return out;
+    }
     while (true) {
       fill(/*blocking=*/true);
       if (in_flight() == 0) return std::nullopt;
@@ -336,6 +340,9 @@ class AsyncMap : public Stage<In, Out> {
   }
 
   Poll try_next(std::optional<Out>& out) override {
+    while (order_.replaying()) {
+      if (replay(out)) return this->counted(Poll::ready);
+    }
     while (true) {
       fill(/*blocking=*/false);
       if (in_flight() == 0) return upstream_done_ ? this->counted(Poll::end) : Poll::pending;
@@ -356,14 +363,12 @@ class AsyncMap : public Stage<In, Out> {
   using Node<Out>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
-    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/false);
+    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
   }
   // As a parallel map's (ParallelMap::skip): in order, one output per input
-  // without fn starting; out of order, the saved log's inputs. Unlike a
-  // parallel map, an async map with in_order = false does not hand its
-  // saved order out again when a node after it replays by pulling (filter,
-  // flat_map, OnError::skip): such a resumed pass is exact as a set only
-  // up to the first such node.
+  // without fn starting; out of order, the saved log's inputs. And as a
+  // parallel map, with in_order = false it hands the saved order out again
+  // when a node after it replays by pulling (replay()).
   uint64_t skip(uint64_t count, bool clean) override {
     if (options_.in_order) {
       if (options_.on_error == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
@@ -387,6 +392,7 @@ class AsyncMap : public Stage<In, Out> {
   void start_pass() override {
     upstream_done_ = false;
     inputs_ = 0;
+    pending_.clear();
     occupancy_takes_.clear();
     occupancy_sum_.clear();
     busy_ns_.clear();
@@ -414,6 +420,20 @@ class AsyncMap : public Stage<In, Out> {
   // (now, when not blocking). An upstream error takes a slot of its own, so
   // that it is thrown at its place.
   void fill(bool blocking) {
+    // What a replay pulled ahead of its turn goes first, in input order.
+    while (!pending_.empty() && has_room()) {
+      auto first = pending_.begin();
+      if (first->second.error) {
+        const uint32_t index = claim();
+        upstream_error_[index] = first->second.error;
+        inputs_of_[index] = first->first;
+        if (!options_.in_order) ready_.push_back(index);
+      } else {
+        start(std::move(*first->second.item), first->first, first->second.position);
+      }
+      pending_.erase(first);
+    }
+    if (!pending_.empty()) return;
     while (!upstream_done_ && has_room()) {
       std::optional<In> item;
       const uint64_t input = inputs_;
@@ -443,7 +463,53 @@ class AsyncMap : public Stage<In, Out> {
       }
       ++inputs_;
       if (order_.dropped(input)) continue;
-      start(std::move(*item), input);
+      start(std::move(*item), input, this->position());
+    }
+  }
+
+  // A resumed pass with in_order = false whose outputs a node downstream
+  // takes again by pulling (a filter, say): they come in the saved order,
+  // each started alone when its turn comes and waited for (nothing else is
+  // in flight until the replay is over). Inputs pulled before their turn
+  // wait in pending_; fill() starts them first afterwards. True with an
+  // item in `out`; false for one dropped under OnError::skip.
+  bool replay(std::optional<Out>& out) {
+    const uint64_t wanted = order_.next_saved();
+    while (inputs_ <= wanted) {
+      const uint64_t input = inputs_;
+      Pending pending;
+      try {
+        pending.item = this->pull();
+        if (!pending.item) {
+          throw StateError("load_state: " + name() + "'s input " + std::to_string(wanted) +
+                           " was handed out before the state was taken, but upstream ends before it now");
+        }
+      } catch (const StateError&) {
+        throw;
+      } catch (...) {
+        pending.error = std::current_exception();
+      }
+      ++inputs_;
+      pending.position = this->position();
+      if (!order_.dropped(input)) pending_.emplace(input, std::move(pending));
+    }
+    auto it = pending_.find(wanted);
+    if (it == pending_.end()) {
+      throw StateError("load_state: " + name() + "'s saved order names input " + std::to_string(wanted) + " twice");
+    }
+    Pending pending = std::move(it->second);
+    pending_.erase(it);
+    if (pending.error) {
+      order_.handed_out(wanted);
+      std::rethrow_exception(pending.error);  // upstream's, named there
+    }
+    start(std::move(*pending.item), wanted, pending.position);
+    while (true) {
+      const uint32_t seen = window().signal();
+      const Poll poll = take(out);  // logs the input it hands out
+      if (poll == Poll::ready) return true;
+      if (poll == Poll::end) return false;
+      window().wait(seen);
     }
   }
 
@@ -464,18 +530,18 @@ class AsyncMap : public Stage<In, Out> {
     return index;
   }
 
-  void start(In&& item, uint64_t input) {
+  void start(In&& item, uint64_t input, uint64_t position) {
     Window& w = window();
     const uint32_t index = claim();
     const uint64_t ticket = tickets_[index];
-    positions_[index] = this->position();
+    positions_[index] = position;
     inputs_of_[index] = input;
     // release: pairs with a completer's acquire compare-exchange in
     // deliver(): the slot was cleared (take()) before this store.
     w.slot(index).word.store(ticket << 2 | Window::kRunning, std::memory_order_release);
     Completion<Out> completion(window_, index, ticket);
     auto call = [&] {
-      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
+      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, position));
       try {
         fn_(std::move(item), std::move(completion));
       } catch (...) {
@@ -594,8 +660,14 @@ class AsyncMap : public Stage<In, Out> {
   std::vector<uint64_t> inputs_of_;                 // by slot: its number among upstream's outputs
   uint64_t inputs_ = 0;                             // upstream's outputs pulled this pass, failures included
   // in_order = false: the order inputs were handed out in, and a resumed
-  // pass's saved one (skipped over, not handed out again: see skip()).
+  // pass's saved one; what a replay pulled before its turn (by input).
   conveyor::detail::CompletionOrder order_;
+  struct Pending {
+    std::optional<In> item;
+    std::exception_ptr error;
+    uint64_t position = 0;
+  };
+  std::map<uint64_t, Pending> pending_;
   std::vector<std::exception_ptr> upstream_error_;  // by slot: an upstream error holding the place
   std::vector<uint32_t> free_;                      // out of order: free slots
   std::deque<uint32_t> ready_;                      // out of order: delivered, not yet taken

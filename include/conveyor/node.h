@@ -206,8 +206,10 @@ class Node {
   virtual uint64_t skip(uint64_t count, bool clean);
   // Writes what this node and everything upstream of it decided by timing
   // into `nodes` (by id), for a resumed pass to replay (ResetWalk::restoring).
-  // Called from the consumer's thread while the pass runs.
-  virtual void save_extras(State& /*nodes*/) const {}
+  // Called from the consumer's thread while the pass runs (`in_pass`) or
+  // between passes (the state is then the next pass's: what the last pass
+  // decided does not belong in it, only what the next one starts from).
+  virtual void save_extras(State& /*nodes*/, bool /*in_pass*/) const {}
 };
 
 template <class T>
@@ -307,7 +309,7 @@ class Pipeline {
     out.set("received", in_pass ? progress_->received : uint64_t{0});
     out.set("errors", in_pass ? progress_->errors : uint64_t{0});
     State nodes = State::object();
-    node_->save_extras(nodes);
+    node_->save_extras(nodes, in_pass);
     out.set("nodes", std::move(nodes));
     return out;
   }
@@ -349,7 +351,7 @@ class Pipeline {
     State names = State::array();
     for (const NodeMetrics& node : metrics()) {
       if (node.name.starts_with("prefetch(")) continue;
-      names.push_back(node.name.starts_with("map(workers=") ? std::string("map") : node.name);
+      names.push_back(without_worker_count(node.name));
     }
     State shard = State::object();
     shard.set("rank", shard_.rank);
@@ -361,6 +363,14 @@ class Pipeline {
     out.set("seed", seed_);
     out.set("shard", std::move(shard));
     return out;
+  }
+
+  // "map(workers=4, in_order=false)" -> "map(in_order=false)"; "map(workers=4)"
+  // -> "map": a serial map and a parallel one hand out the same items.
+  static std::string without_worker_count(const std::string& name) {
+    if (!name.starts_with("map(workers=")) return name;
+    const size_t comma = name.find(", ");
+    return comma == std::string::npos ? std::string("map") : "map(" + name.substr(comma + 2);
   }
 
   NodePtr<T> node_;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <unordered_set>
 
 namespace conveyor {
 
@@ -110,18 +111,20 @@ class Parser {
 
   State parse_object(int depth) {
     ++at_;
-    State object = State::object();
-    if (consume('}')) return object;
+    State::Object members;
+    if (consume('}')) return State(std::move(members));
+    std::unordered_set<std::string> keys;  // a linear search would make n members cost n^2
     do {
       skip_space();
       if (at_ == text_.size() || text_[at_] != '"') fail("expected a member name");
       std::string key = parse_string();
-      if (object.contains(key)) fail("member '" + key + "' appears twice");
+      if (!keys.insert(key).second) fail("member '" + key + "' appears twice");
       expect(':');
-      object.set(key, parse_value(depth + 1));
+      State value = parse_value(depth + 1);
+      members.emplace_back(std::move(key), std::move(value));
     } while (consume(','));
     expect('}');
-    return object;
+    return State(std::move(members));
   }
 
   State parse_array(int depth) {
@@ -205,20 +208,23 @@ class Parser {
   State parse_number() {
     const size_t start = at_;
     if (text_[at_] == '-') ++at_;
+    // JSON's grammar: no leading zeros, digits after a point and in an
+    // exponent.
     const size_t digits = at_;
-    while (at_ < text_.size() && text_[at_] >= '0' && text_[at_] <= '9') ++at_;
+    skip_digits();
     if (at_ == digits) fail("a number without digits");
+    if (text_[digits] == '0' && at_ - digits > 1) fail("a number with a leading zero");
     bool integral = true;
     if (at_ < text_.size() && text_[at_] == '.') {
       integral = false;
       ++at_;
-      while (at_ < text_.size() && text_[at_] >= '0' && text_[at_] <= '9') ++at_;
+      if (!skip_digits()) fail("a number without digits after its point");
     }
     if (at_ < text_.size() && (text_[at_] == 'e' || text_[at_] == 'E')) {
       integral = false;
       ++at_;
       if (at_ < text_.size() && (text_[at_] == '+' || text_[at_] == '-')) ++at_;
-      while (at_ < text_.size() && text_[at_] >= '0' && text_[at_] <= '9') ++at_;
+      if (!skip_digits()) fail("a number without digits in its exponent");
     }
     const char* first = text_.data() + start;
     const char* last = text_.data() + at_;
@@ -234,11 +240,16 @@ class Parser {
       }
       fail("an integer out of 64-bit range");
     }
-    const std::string number(first, last);
-    char* end = nullptr;
-    const double value = std::strtod(number.c_str(), &end);
-    if (end != number.c_str() + number.size()) fail("a malformed number");
+    // from_chars: the same in every locale (strtod reads "0,5" under some).
+    double value = 0;
+    const auto [end, error] = std::from_chars(first, last, value);
+    if (error != std::errc() || end != last) fail("a number out of a double's range");
     return State(value);
+  }
+  bool skip_digits() {
+    const size_t start = at_;
+    while (at_ < text_.size() && text_[at_] >= '0' && text_[at_] <= '9') ++at_;
+    return at_ > start;
   }
 
   std::string_view text_;
@@ -404,9 +415,10 @@ std::string State::to_json() const {
   if (const auto* value = std::get_if<uint64_t>(&value_)) return std::to_string(*value);
   if (const auto* value = std::get_if<double>(&value_)) {
     if (!std::isfinite(*value)) return "null";  // JSON has no inf or NaN
-    char text[32];
-    std::snprintf(text, sizeof text, "%.17g", *value);
-    out = text;
+    // to_chars: the shortest text that reads back the same, in every locale.
+    char text[64];
+    const auto [end, error] = std::to_chars(text, text + sizeof text, *value);
+    out.assign(text, error == std::errc() ? end : text);
     // Keep it a double when read back.
     if (out.find_first_of(".eE") == std::string::npos) out += ".0";
     return out;

@@ -6,7 +6,10 @@
 #include <conveyor/nodes.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -21,6 +24,7 @@ namespace {
 namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
 using conveyor::ShardSpec;
+using conveyor::State;
 
 using conveyor::testing::one_pass;
 
@@ -36,6 +40,34 @@ TEST(Sources, VectorAndRangeGiveTheirItemsEveryPass) {
   EXPECT_EQ(one_pass(vector), (std::vector<std::string>{"a", "b", "c"}));
   auto range = nodes::from_range(3, 7);
   EXPECT_EQ(one_pass(range), (std::vector<int64_t>{3, 4, 5, 6}));
+}
+
+// A range may span int64_t's edges: its end, its shards' steps and a
+// resumed pass's skip do not overflow.
+TEST(Sources, ARangeAtTheEdgesOfInt64) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  auto top = nodes::from_range(kMax - 3, kMax);
+  EXPECT_EQ(one_pass(top), (std::vector<int64_t>{kMax - 3, kMax - 2, kMax - 1}));
+  auto sharded = nodes::from_range(kMax - 5, kMax);
+  sharded.shard({.rank = 1, .world_size = 2});
+  EXPECT_EQ(one_pass(sharded), (std::vector<int64_t>{kMax - 4, kMax - 2}));
+  auto past = nodes::from_range(kMax - 1, kMax);
+  past.shard({.rank = 3, .world_size = 4});
+  EXPECT_TRUE(one_pass(past).empty());
+  // All of int64_t, sharded in two: skip to near the end, then read it.
+  auto whole = nodes::from_range(kMin, kMax);
+  whole.shard({.rank = 0, .world_size = 2});
+  auto saver = nodes::from_range(kMin, kMax);
+  saver.shard({.rank = 0, .world_size = 2});
+  State state = saver.state();
+  state.set("received", (uint64_t{1} << 63) - 2);  // the shard holds 2^63 items: kMin, kMin + 2, ..., kMax - 1
+  state.set("epoch", uint64_t{0});
+  whole.load_state(state);
+  auto pass = whole.pass();
+  EXPECT_EQ(pass.next(), std::optional<int64_t>(kMax - 3));
+  EXPECT_EQ(pass.next(), std::optional<int64_t>(kMax - 1));
+  EXPECT_EQ(pass.next(), std::nullopt);
 }
 
 TEST(Sources, AMapDatasetThroughItsSamplerAndItsSizeAtEachPass) {
@@ -281,7 +313,7 @@ TEST(Metrics, EveryNodeCountsItsItemsInAndOutSourcesFirst) {
   const auto metrics = pipeline.metrics();
   std::vector<std::string> names;
   for (const auto& m : metrics) names.push_back(m.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"from_range", "map", "filter", "batch(10)"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"from_range", "map(on_error=skip)", "filter", "batch(10)"}));
   EXPECT_EQ(metrics[0].items_out, 100u);
   EXPECT_EQ(metrics[1].items_in, 100u);
   EXPECT_EQ(metrics[1].skipped, 4u);  // 7, 32, 57, 82

@@ -133,7 +133,7 @@ TEST(ParallelMap, MetricsSumTheWorkersTimeAndShowTheWindow) {
   const auto metrics = pipeline.metrics();
   ASSERT_EQ(metrics.size(), 3u);
   const auto& map = metrics[1];
-  EXPECT_EQ(map.name, "map(workers=4)");
+  EXPECT_EQ(map.name, "map(workers=4, on_error=skip)");
   EXPECT_EQ(map.items_in, static_cast<uint64_t>(kItems));
   EXPECT_EQ(map.items_out, static_cast<uint64_t>(kItems - 4));
   EXPECT_EQ(map.skipped, 4u);

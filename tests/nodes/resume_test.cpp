@@ -296,4 +296,231 @@ TEST(PipelineResume, AStateIsAFewCountsForAnOrderedGraph) {
   EXPECT_LT(text.size(), 1024u) << text;
 }
 
+
+// repeat() at pass 1, in a new pipeline: its rounds' seeds do not depend on
+// which reset came first, so a shuffle upstream shuffles as it did.
+TEST(PipelineResume, RepeatResumesInALaterPassAsANewPipeline) {
+  auto make = [] { return nodes::from_range(0, 40) | nodes::shuffle(40) | nodes::repeat(3) | nodes::prefetch(4); };
+  Outcomes second;
+  {
+    auto pipeline = make();
+    pipeline.seed(5);
+    (void)conveyor::testing::outcomes(pipeline);
+    second = conveyor::testing::outcomes(pipeline);
+  }
+  for (const size_t stop : {size_t{0}, size_t{7}, size_t{40}, size_t{41}, size_t{95}}) {
+    std::string saved;
+    Outcomes before;
+    {
+      auto pipeline = make();
+      pipeline.seed(5);
+      (void)conveyor::testing::outcomes(pipeline);
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, before));
+      saved = pipeline.state().to_json();
+    }
+    auto pipeline = make();
+    pipeline.seed(5);
+    pipeline.load_state(State::from_json(saved));
+    Outcomes whole = before;
+    auto pass = pipeline.pass();
+    while (take_one(pass, whole)) {
+    }
+    EXPECT_EQ(whole, second) << "stopped after " << stop;
+  }
+}
+
+// A join under repeat(): each round's decisions are the round's own; a
+// state taken in round r (with repeat() running ahead into the next, behind
+// a prefetch) resumes every item exactly once.
+TEST(PipelineResume, ATimingDependentNodeUnderRepeatResumesInItsRound) {
+  const uint64_t seed = property_seed();
+  std::printf("repeat-join seed %llu (CONVEYOR_NODES_SEED replays it)\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  auto make = [] {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 30) | nodes::map([](int64_t x) {
+                        conveyor::testing::spin_delay(x % 4 == 0 ? 5000 : 0);
+                        return x;
+                      }, {.workers = 2, .in_order = false}));
+    sources.push_back(nodes::from_range(100, 120) | nodes::prefetch(3));
+    return nodes::join(std::move(sources)) | nodes::repeat(4) | nodes::prefetch(8);
+  };
+  Outcomes expected;
+  for (int round = 0; round < 4; ++round) {
+    for (int64_t x = 0; x < 30; ++x) expected.push_back(std::to_string(x));
+    for (int64_t x = 100; x < 120; ++x) expected.push_back(std::to_string(x));
+  }
+  for (int trial = 0; trial < 30; ++trial) {
+    const size_t stop = std::uniform_int_distribution<size_t>(0, 199)(rng);
+    Outcomes before;
+    std::string saved;
+    {
+      auto pipeline = make();
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, before));
+      saved = pipeline.state().to_json();
+    }
+    auto pipeline = make();
+    pipeline.load_state(State::from_json(saved));
+    Outcomes whole = before;
+    auto pass = pipeline.pass();
+    while (take_one(pass, whole)) {
+    }
+    // Round by round: each round hands out its 50 items once.
+    ASSERT_EQ(whole.size(), expected.size()) << "stopped after " << stop;
+    for (size_t round = 0; round < 4; ++round) {
+      Outcomes mine(whole.begin() + static_cast<std::ptrdiff_t>(round * 50),
+                    whole.begin() + static_cast<std::ptrdiff_t>(round * 50 + 50));
+      Outcomes want(expected.begin() + static_cast<std::ptrdiff_t>(round * 50),
+                    expected.begin() + static_cast<std::ptrdiff_t>(round * 50 + 50));
+      ASSERT_EQ(sorted(mine), sorted(want)) << "round " << round << ", stopped after " << stop;
+    }
+  }
+}
+
+// A state taken between passes is the next pass's: what the finished pass
+// decided by timing is not in it (a join whose sources change length by
+// epoch would otherwise replay a pass that no longer fits).
+TEST(PipelineResume, AStateBetweenPassesHoldsNoDecisionsOfTheLastPass) {
+  auto make = [] {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 20) | nodes::map([](int64_t x) { return x; },
+                                                            {.workers = 2, .in_order = false}));
+    sources.push_back(nodes::from_range(100, 110));
+    return nodes::join(std::move(sources));
+  };
+  std::string saved;
+  {
+    auto pipeline = make();
+    (void)conveyor::testing::outcomes(pipeline);
+    saved = pipeline.state().to_json();
+  }
+  const State state = State::from_json(saved);
+  EXPECT_EQ(state.at("nodes").size(), 0u) << saved;
+  auto pipeline = make();
+  pipeline.load_state(state);
+  EXPECT_EQ(sorted(conveyor::testing::outcomes(pipeline)).size(), 30u);
+}
+
+// A sampler's permutation comes from the state, not from this process's
+// generator: from_map_dataset with a RandomSampler resumes exactly after
+// the process generator was reseeded (as in a new process).
+TEST(PipelineResume, AMapDatasetsRandomSamplerResumesWithTheSavedPermutation) {
+  struct Squares {
+    int64_t get(size_t i) const { return static_cast<int64_t>(i * i); }
+    size_t size() const { return 50; }
+  };
+  for (const bool own_generator : {false, true}) {
+    auto make = [own_generator] {
+      std::shared_ptr<conveyor::Sampler<size_t>> sampler =
+          own_generator ? std::make_shared<conveyor::RandomSampler>(size_t{50}, false, std::nullopt, conveyor::Generator(11))
+                        : std::make_shared<conveyor::RandomSampler>(size_t{50});
+      return nodes::from_map_dataset(std::make_shared<Squares>(), sampler) | nodes::batch(4);
+    };
+    conveyor::manual_seed(21);
+    auto reference = make();
+    auto reference_items = [&] {
+      Outcomes out;
+      auto pass = reference.pass();
+      while (auto batch = pass.next()) out.push_back(std::to_string(batch->front()));
+      return out;
+    };
+    (void)reference_items();
+    const Outcomes second = reference_items();
+
+    conveyor::manual_seed(21);
+    auto first = make();
+    Outcomes before;
+    std::string saved;
+    {
+      auto pass = first.pass();
+      while (pass.next()) {
+      }
+      auto second_pass = first.pass();
+      for (int i = 0; i < 5; ++i) before.push_back(std::to_string(second_pass.next()->front()));
+      saved = first.state().to_json();
+    }
+    conveyor::manual_seed(999);  // a new process's generator
+    auto resumed = make();
+    resumed.load_state(State::from_json(saved));
+    Outcomes whole = before;
+    auto pass = resumed.pass();
+    while (auto batch = pass.next()) whole.push_back(std::to_string(batch->front()));
+    EXPECT_EQ(whole, second) << (own_generator ? "own generator" : "process generator");
+
+    // A sampler of another kind or size is named.
+    auto other = nodes::from_map_dataset(std::make_shared<Squares>(), std::make_shared<conveyor::RandomSampler>(size_t{49})) |
+                 nodes::batch(4);
+    other.load_state(State::from_json(saved));
+    try {
+      (void)other.pass();
+      FAIL() << "a RandomSampler of 49 resumed a state of 50";
+    } catch (const StateError& error) {
+      EXPECT_NE(std::string(error.what()).find("sampler"), std::string::npos) << error.what();
+    }
+  }
+}
+
+// in_order and on_error change what a map hands out: a state of one does
+// not load into the other.
+TEST(PipelineResume, AMapsOrderAndErrorPolicyAreInTheFingerprint) {
+  auto in_order = nodes::from_range(0, 10) | nodes::map([](int64_t x) { return x; }, {.workers = 2});
+  auto out_of_order =
+      nodes::from_range(0, 10) | nodes::map([](int64_t x) { return x; }, {.workers = 2, .in_order = false});
+  auto skipping = nodes::from_range(0, 10) |
+                  nodes::map([](int64_t x) { return x; }, {.workers = 2, .on_error = conveyor::OnError::skip});
+  auto serial = nodes::from_range(0, 10) | nodes::map([](int64_t x) { return x; });
+  auto three_workers = nodes::from_range(0, 10) | nodes::map([](int64_t x) { return x; }, {.workers = 3});
+  EXPECT_THROW(out_of_order.load_state(in_order.state()), StateError);
+  EXPECT_THROW(skipping.load_state(in_order.state()), StateError);
+  EXPECT_NO_THROW(serial.load_state(in_order.state()));         // how it runs is not
+  EXPECT_NO_THROW(three_workers.load_state(in_order.state()));  // in the fingerprint
+}
+
+// A corrupt saved order is refused before it loses an item or buffers
+// upstream without bound.
+TEST(PipelineResume, ACorruptSavedOrderIsRefused) {
+  auto make = [] {
+    return nodes::from_range(0, 100) | nodes::map([](int64_t x) { return x; }, {.workers = 2, .in_order = false});
+  };
+  auto saver = make();
+  auto pass = saver.pass();
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(pass.next());
+  const State state = saver.state();
+  const std::string id = state.at("nodes").members().front().first;
+  for (const char* inputs : {"[0,1,1]", "[0,1,4294967296]", "[0,1,2,99999999]"}) {
+    State corrupt = state;
+    State nodes_state = State::object();
+    nodes_state.set(id, State::from_json(std::string("{\"inputs\":") + inputs + "}"));
+    corrupt.set("nodes", std::move(nodes_state));
+    auto loader = make();
+    loader.load_state(corrupt);
+    EXPECT_THROW((void)loader.pass(), StateError) << inputs;
+  }
+  // join's runs, too: a count past any log.
+  auto make_join = [] {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 5));
+    sources.push_back(nodes::from_range(5, 10));
+    return nodes::join(std::move(sources));
+  };
+  auto join_saver = make_join();
+  auto join_pass = join_saver.pass();
+  ASSERT_TRUE(join_pass.next());
+  State corrupt = join_saver.state();
+  const std::string join_id = corrupt.at("nodes").members().front().first;
+  State nodes_state = State::object();
+  nodes_state.set(join_id, State::from_json("{\"sources\":[0,8589934592]}"));
+  corrupt.set("nodes", std::move(nodes_state));
+  auto join_loader = make_join();
+  join_loader.load_state(corrupt);
+  try {
+    (void)join_loader.pass();
+    FAIL() << "a join state taking 2^33 items loaded";
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("8589934592"), std::string::npos) << error.what();
+  }
+}
+
 }  // namespace

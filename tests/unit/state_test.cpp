@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <clocale>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -48,7 +50,8 @@ TEST(State, ReadsEscapesAndWhitespace) {
 TEST(State, RefusesMalformedAndHostileText) {
   for (const char* bad : {"", "{", "[1,]", "{\"a\":1,}", "{\"a\" 1}", "tru", "\"open", "01x", "1 2",
                           "{\"a\":1,\"a\":2}", "\"\\ud800\"", "\"\\q\"", "18446744073709551616",
-                          "-9223372036854775809", "\"tab\there\""}) {
+                          "-9223372036854775809", "\"tab\there\"", "01", "-01", "1.", "1.e5", "-", "1e", "1e+",
+                          ".5", "1e999"}) {
     EXPECT_THROW(State::from_json(bad), StateError) << bad;
   }
   // Deep nesting is refused, not a stack overflow.
@@ -59,6 +62,35 @@ TEST(State, RefusesMalformedAndHostileText) {
   } catch (const StateError& error) {
     EXPECT_NE(std::string(error.what()).find("deeper than 64"), std::string::npos) << error.what();
   }
+}
+
+// Doubles are written and read the same whatever the C locale says (a
+// comma-decimal LC_NUMERIC must not turn 0.5 into "0,5").
+TEST(State, DoublesRoundTripUnderAnyLocale) {
+  const char* before = std::setlocale(LC_NUMERIC, nullptr);
+  const std::string saved = before ? before : "C";
+  const bool comma = std::setlocale(LC_NUMERIC, "de_DE.UTF-8") != nullptr ||
+                     std::setlocale(LC_NUMERIC, "fr_FR.UTF-8") != nullptr;
+  for (const double value : {0.5, -0.1, 1e300, 6.02214076e23, 5.0, -0.0}) {
+    const std::string text = State(value).to_json();
+    EXPECT_EQ(text.find(','), std::string::npos) << text;
+    EXPECT_EQ(State::from_json(text).as_double(), value) << text;
+  }
+  EXPECT_EQ(State::from_json("[0.5,2]").size(), 2u);
+  std::setlocale(LC_NUMERIC, saved.c_str());
+  if (!comma) std::printf("no comma-decimal locale installed: checked under the C locale only\n");
+}
+
+// Many members: the duplicate check must not be quadratic (this would take
+// minutes with a linear search per member).
+TEST(State, AnObjectWithManyMembersParsesInLinearTime) {
+  std::string text = "{";
+  for (int i = 0; i < 200000; ++i) text += (i ? ",\"k" : "\"k") + std::to_string(i) + "\":" + std::to_string(i);
+  text += "}";
+  const State state = State::from_json(text);
+  EXPECT_EQ(state.size(), 200000u);
+  EXPECT_EQ(state.members().back().second.as_uint(), 199999u);
+  EXPECT_THROW(State::from_json(text.substr(0, text.size() - 1) + ",\"k7\":1}"), StateError);
 }
 
 TEST(State, TypedReadsNameTheFieldAndWhatItHolds) {

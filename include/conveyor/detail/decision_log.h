@@ -11,7 +11,16 @@
 // that covers it.
 //
 // Memory: 4 bytes per item handed out this pass, in 64 Ki-entry chunks kept
-// across passes (a pass as long as the last allocates nothing).
+// across passes (a pass as long as the last allocates nothing), and at most
+// kMaxEntries a pass (256 MiB): past that the log stops and a state of the
+// pass is refused (read_all throws), while the pass itself goes on.
+//
+// A node may clear its log in the middle of the consumer's pass (repeat()
+// starts a round; a shuffle resets its upstream) while state() reads it.
+// The size and a generation share one atomic word, so a reader sees a size
+// of one generation; clear() starts the next generation before a release
+// fence, and read_all looks at the word again after its copy (a seqlock):
+// a copy that saw any entry written after a clear retries.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "conveyor/errors.h"
@@ -31,54 +41,86 @@ class DecisionLog {
  public:
   static constexpr size_t kChunkBits = 16;
   static constexpr size_t kChunk = size_t{1} << kChunkBits;
-  static constexpr size_t kMaxChunks = 1 << 12;  // 2^28 entries a pass
+  static constexpr size_t kMaxChunks = 1 << 10;
+  static constexpr size_t kMaxEntries = kChunk * kMaxChunks;  // 2^26 items a pass
 
-  DecisionLog() = default;
+  // `max_entries` (at most kMaxEntries): a smaller log for tests.
+  explicit DecisionLog(size_t max_entries = kMaxEntries) : max_entries_(std::min(max_entries, kMaxEntries)) {}
   DecisionLog(const DecisionLog&) = delete;
   DecisionLog& operator=(const DecisionLog&) = delete;
   ~DecisionLog() {
+    // relaxed: the destructor runs after every reader and writer is done.
     for (auto& chunk : chunks_) delete[] chunk.load(std::memory_order_relaxed);
   }
 
-  // The writer, between passes (nothing appends or reads then).
-  void clear() noexcept { size_.store(0, std::memory_order_relaxed); }
-
-  // The writer only.
-  void append(uint32_t value) {
-    const size_t index = size_.load(std::memory_order_relaxed);  // only the writer stores it
-    const size_t chunk = index >> kChunkBits;
-    if (chunk >= kMaxChunks) throw RuntimeError("a pipeline node's decision log is full (2^28 items in one pass)");
-    uint32_t* entries = chunks_[chunk].load(std::memory_order_relaxed);
-    if (!entries) {
-      entries = new uint32_t[kChunk];
-      // Release: a reader that sees the size covering this chunk (acquire
-      // below) sees the pointer too; this store pairs with read_all's load.
-      chunks_[chunk].store(entries, std::memory_order_release);
-    }
-    entries[index & (kChunk - 1)] = value;
-    // Release: publishes the entry (and its chunk) to read_all's acquire.
-    size_.store(index + 1, std::memory_order_release);
+  // The writer, at a reset (a reader may be copying the old entries).
+  void clear() noexcept {
+    const uint64_t word = word_.load(std::memory_order_relaxed);  // relaxed: only the writer stores it
+    // relaxed, then the release fence: every later write (this pass's
+    // entries and sizes) comes after the fence, so a reader whose copy saw
+    // one sees this generation when it looks again (read_all's fence).
+    word_.store(((word >> 32) + 1) << 32, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
   }
 
-  // Any thread, concurrently with append: the entries published so far.
-  std::vector<uint32_t> read_all() const {
-    // Acquire: pairs with append's release of the size; every entry below it
-    // and its chunk pointer are visible.
-    const size_t size = size_.load(std::memory_order_acquire);
-    std::vector<uint32_t> out;
-    out.reserve(size);
-    for (size_t i = 0; i < size; i += kChunk) {
-      // Relaxed suffices: the acquire of size_ ordered the chunk's release store.
-      const uint32_t* entries = chunks_[i >> kChunkBits].load(std::memory_order_relaxed);
-      const size_t n = std::min(kChunk, size - i);
-      out.insert(out.end(), entries, entries + n);
+  // The writer only. Past kMaxEntries the log is full: entries are dropped.
+  void append(uint32_t value) {
+    const uint64_t word = word_.load(std::memory_order_relaxed);  // relaxed: only the writer stores it
+    const size_t index = static_cast<size_t>(word & kSizeMask);
+    if (index > max_entries_) return;
+    if (index == max_entries_) {
+      word_.store(word + 1, std::memory_order_relaxed);  // full; relaxed: no entry is published by it
+      return;
     }
-    return out;
+    const size_t chunk = index >> kChunkBits;
+    std::atomic<uint32_t>* entries = chunks_[chunk].load(std::memory_order_relaxed);  // relaxed: the writer's own
+    if (!entries) {
+      entries = new std::atomic<uint32_t>[kChunk];
+      // release: pairs with read_all's acquire load of the pointer.
+      chunks_[chunk].store(entries, std::memory_order_release);
+    }
+    entries[index & (kChunk - 1)].store(value, std::memory_order_relaxed);  // published by the word below
+    // release: publishes the entry to read_all's acquire load of the word.
+    word_.store(word + 1, std::memory_order_release);
+  }
+
+  // Any thread, concurrently with append and clear: the entries of one
+  // generation. Throws StateError when the log is full.
+  std::vector<uint32_t> read_all() const {
+    std::vector<uint32_t> out;
+    while (true) {
+      // acquire: pairs with append's release store: the entries below the
+      // size are visible.
+      const uint64_t word = word_.load(std::memory_order_acquire);
+      const size_t size = static_cast<size_t>(word & kSizeMask);
+      if (size > max_entries_) {
+        throw StateError("state: a node whose order depends on timing (a join, or a map with in_order = false) "
+                         "handed out more than " + std::to_string(max_entries_) +
+                         " items in this pass, more than its decision log keeps: the pass cannot be "
+                         "checkpointed past that point (in_order = true, or shorter passes, can)");
+      }
+      out.clear();
+      out.reserve(size);
+      for (size_t i = 0; i < size; i += kChunk) {
+        // acquire: pairs with append's release store of the pointer.
+        const std::atomic<uint32_t>* entries = chunks_[i >> kChunkBits].load(std::memory_order_acquire);
+        const size_t n = std::min(kChunk, size - i);
+        // relaxed: made visible by the acquire of the word above.
+        for (size_t k = 0; k < n; ++k) out.push_back(entries[k].load(std::memory_order_relaxed));
+      }
+      // acquire fence: pairs with clear()'s release fence: if the copy saw a
+      // write made after a clear, the load below sees its generation.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      // relaxed: ordered by the fence above.
+      if ((word_.load(std::memory_order_relaxed) >> 32) == (word >> 32)) return out;
+    }
   }
 
  private:
-  std::array<std::atomic<uint32_t*>, kMaxChunks> chunks_{};
-  std::atomic<size_t> size_{0};
+  static constexpr uint64_t kSizeMask = 0xffffffffu;
+  std::array<std::atomic<std::atomic<uint32_t>*>, kMaxChunks> chunks_{};
+  const size_t max_entries_;
+  std::atomic<uint64_t> word_{0};  // generation << 32 | size (max_entries_ + 1: full)
 };
 
 // A resumed pass's saved decisions, which the node follows (its log then
@@ -118,11 +160,33 @@ class CompletionOrder {
     order_.clear();
     at_ = 0;
     drop_.clear();
-    if (saved) order_ = saved->at("inputs").as_uint_list("inputs");
+    if (saved) {
+      order_ = saved->at("inputs").as_uint_list("inputs");
+      check_saved_order(order_);
+    }
     if (replays) {
       saved_.set(order_);
     } else {
       saved_.clear();
+    }
+  }
+
+  // A logged order names each input once, and none further ahead of the
+  // outputs than a window holds (at most 2^20 items): anything else would
+  // lose items, or buffer upstream without bound, before failing.
+  static void check_saved_order(const std::vector<uint64_t>& order) {
+    constexpr uint64_t kMostAhead = uint64_t{1} << 20;
+    std::vector<uint64_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t k = 0; k < sorted.size(); ++k) {
+      if (k > 0 && sorted[k] == sorted[k - 1]) {
+        throw StateError("load_state: a saved order names input " + std::to_string(sorted[k]) +
+                         " twice: the state is corrupt");
+      }
+      if (sorted[k] >= sorted.size() + kMostAhead) {
+        throw StateError("load_state: a saved order of " + std::to_string(sorted.size()) + " inputs names input " +
+                         std::to_string(sorted[k]) + ", further ahead than any window: the state is corrupt");
+      }
     }
   }
 

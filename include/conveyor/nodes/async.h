@@ -381,9 +381,9 @@ class AsyncMap : public Stage<In, Out> {
     inputs_ = std::max(inputs_, skipped.prefix);
     return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
   }
-  void save_extras(State& nodes) const override {
-    if (!options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
-    Stage<In, Out>::save_extras(nodes);
+  void save_extras(State& nodes, bool in_pass) const override {
+    if (in_pass && !options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
+    Stage<In, Out>::save_extras(nodes, in_pass);
   }
 
  protected:

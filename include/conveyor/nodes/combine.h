@@ -46,9 +46,9 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
     const uint64_t from_a = a_->skip(count, clean);
     return std::min(from_a, b_->skip(from_a, clean));
   }
-  void save_extras(State& nodes) const override {
-    a_->save_extras(nodes);
-    b_->save_extras(nodes);
+  void save_extras(State& nodes, bool in_pass) const override {
+    a_->save_extras(nodes, in_pass);
+    b_->save_extras(nodes, in_pass);
   }
 
  private:
@@ -96,8 +96,8 @@ class Merge : public MeteredNode<T> {
     cursor_ = 0;
     produced_ = 0;
   }
-  void save_extras(State& nodes) const override {
-    for (const auto& source : sources_) source->save_extras(nodes);
+  void save_extras(State& nodes, bool in_pass) const override {
+    for (const auto& source : sources_) source->save_extras(nodes, in_pass);
   }
 
  protected:
@@ -249,12 +249,24 @@ class Join final : public Merge<T> {
     replay_at_ = 0;
     if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
       const std::vector<uint64_t> runs = saved->at("sources").as_uint_list("sources");
-      if (runs.size() % 2 != 0) throw StateError("load_state: join's 'sources' should hold (source, count) pairs");
+      if (runs.size() % 2 != 0) {
+        throw StateError("load_state: join's 'sources' should hold (source, count) pairs, but it holds " +
+                         std::to_string(runs.size()) + " numbers");
+      }
+      uint64_t total = 0;
       for (size_t r = 0; r < runs.size(); r += 2) {
         if (runs[r] >= this->sources_.size()) {
           throw StateError("load_state: join's state names source " + std::to_string(runs[r]) + " of " +
                            std::to_string(this->sources_.size()));
         }
+        // No log holds more (DecisionLog::kMaxEntries): a larger count is a
+        // corrupt state, refused before it is expanded.
+        if (runs[r + 1] > conveyor::detail::DecisionLog::kMaxEntries - total) {
+          throw StateError("load_state: join's state takes " + std::to_string(runs[r + 1]) + " items from source " +
+                           std::to_string(runs[r]) + " after " + std::to_string(total) + ", more than a pass's log keeps (" +
+                           std::to_string(conveyor::detail::DecisionLog::kMaxEntries) + "): the state is corrupt");
+        }
+        total += runs[r + 1];
         replay_.insert(replay_.end(), runs[r + 1], static_cast<uint32_t>(runs[r]));
       }
     }
@@ -275,7 +287,8 @@ class Join final : public Merge<T> {
     replay_at_ = end;
     return logged + (count > logged ? Merge<T>::skip(count - logged, clean) : 0);
   }
-  void save_extras(State& nodes) const override {
+  void save_extras(State& nodes, bool in_pass) const override {
+    if (!in_pass) return Merge<T>::save_extras(nodes, in_pass);  // the next pass decides afresh
     std::vector<uint64_t> runs;
     for (const uint64_t source : saved_.with(log_)) {
       if (!runs.empty() && runs[runs.size() - 2] == source) {
@@ -288,7 +301,7 @@ class Join final : public Merge<T> {
     State mine = State::object();
     mine.set("sources", State::list(runs));
     nodes.set(std::to_string(this->id_), std::move(mine));
-    Merge<T>::save_extras(nodes);
+    Merge<T>::save_extras(nodes, in_pass);
   }
 
  private:
@@ -407,8 +420,8 @@ class ForkState {
   void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
     if (consumer == 0) upstream_->collect_metrics(out);
   }
-  void save_extras(size_t consumer, State& nodes) const {
-    if (consumer == 0) upstream_->save_extras(nodes);
+  void save_extras(size_t consumer, State& nodes, bool in_pass) const {
+    if (consumer == 0) upstream_->save_extras(nodes, in_pass);
   }
 
   // A resumed consumer takes its items as it did, buffering what the others
@@ -486,7 +499,7 @@ class ForkOutput final : public MeteredNode<T> {
   }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
   uint64_t skip(uint64_t count, bool) override { return state_->skip(consumer_, count); }
-  void save_extras(State& nodes) const override { state_->save_extras(consumer_, nodes); }
+  void save_extras(State& nodes, bool in_pass) const override { state_->save_extras(consumer_, nodes, in_pass); }
 
  private:
   std::optional<T> produce() override { return state_->next(consumer_); }

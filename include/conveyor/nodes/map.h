@@ -46,7 +46,7 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
     }
     return std::nullopt;
   }
-  std::string name() const override { return "map"; }
+  std::string name() const override { return on_error_ == OnError::skip ? "map(on_error=skip)" : "map"; }
   // One output per input, without running f (a failed item was an output
   // too), unless failures are dropped (OnError::skip).
   uint64_t skip(uint64_t count, bool clean) override {

@@ -173,9 +173,9 @@ class ParallelMap final
     return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
   }
   // With in_order = false: the inputs handed out, in their order.
-  void save_extras(State& nodes) const override {
-    if (!options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
-    Stage<In, Out>::save_extras(nodes);
+  void save_extras(State& nodes, bool in_pass) const override {
+    if (in_pass && !options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
+    Stage<In, Out>::save_extras(nodes, in_pass);
   }
 
   std::optional<Out> produce() override {
@@ -190,7 +190,11 @@ class ParallelMap final
     }
   }
   Poll try_next(std::optional<Out>& out) override { return this->counted(poll(out)); }
-  std::string name() const override { return "map(workers=" + std::to_string(options_.workers) + ")"; }
+  // How it runs (workers) and what its outputs depend on (order, errors).
+  std::string name() const override {
+    return "map(workers=" + std::to_string(options_.workers) + (options_.in_order ? "" : ", in_order=false") +
+           (options_.on_error == OnError::skip ? ", on_error=skip" : "") + ")";
+  }
 
  protected:
   // In-flight items read pass_ and id_ (their seeds): cancelled before the
@@ -459,7 +463,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   // Before the strand runs a job of the pass (reset cancelled the last):
   // upstream is this thread's until the first submit hands it over.
   uint64_t skip(uint64_t count, bool clean) override { return upstream_->skip(count, clean); }
-  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
+  void save_extras(State& nodes, bool in_pass) const override { upstream_->save_extras(nodes, in_pass); }
 
   // Upstream runs on the strand: its counts may be a few items behind what
   // the strand has done by now.

@@ -14,10 +14,14 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -57,15 +61,34 @@ class Repeat final : public MeteredNode<T> {
   Repeat(NodePtr<T> upstream, uint64_t times) : upstream_(std::move(upstream)), times_(times) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    walk_at_start_ = walk;
-    // Later rounds start afresh: what a state saved for upstream nodes is of
-    // the round it was in, and a resumed pass replays rounds from the first.
-    walk_at_start_.restoring = nullptr;
+    const uint64_t version = begin_change();
+    // Known before upstream takes its ids, and the same in every process:
+    // the rounds' seeds do not depend on which reset came first.
+    round_key_ = walk.next_id;
     pass_ = pass;
     round_ = 0;
+    round_seen_.store(0, std::memory_order_relaxed);  // relaxed: inside a change (see save_extras)
     empty_round_ = true;
+    set_previous(nullptr);
+    // What a state saved for upstream nodes is of the round it was in (and
+    // of the one before it): given to those rounds only (start_round).
+    std::shared_ptr<const State> restoring = std::exchange(walk.restoring, nullptr);
+    walk_at_start_ = walk;
     upstream_->reset(round_pass(0), walk);
     this->start_metering(pass, walk.next_id++);
+    walk.restoring = restoring;  // for the nodes after this one
+    resume_ = {};
+    if (restoring) {
+      const State* mine = restoring->find(std::to_string(this->id_));
+      resume_.round = mine ? mine->uint_at("round") : 0;
+      resume_.current = restoring;
+      if (const State* previous = mine ? mine->find("previous") : nullptr) {
+        resume_.previous = std::make_shared<const State>(*previous);
+      }
+      resume_.upstream_saved = upstream_saved(*restoring, walk_at_start_.next_id, this->id_);
+      if (restoring_for(0)) start_round(0);  // again, now with what round 0 saved
+    }
+    end_change(version);
   }
   // Round by round, as produce() goes.
   uint64_t skip(uint64_t count, bool clean) override {
@@ -76,14 +99,44 @@ class Repeat final : public MeteredNode<T> {
       if (n > 0) empty_round_ = false;
       if (skipped == count) break;
       if (empty_round_) break;  // nothing in a whole round: the end
-      if (++round_ == times_) break;
-      empty_round_ = true;
-      conveyor::detail::ResetWalk walk = walk_at_start_;
-      upstream_->reset(round_pass(round_), walk);
+      if (!next_round()) break;
+    }
+    // Upstream saved its decisions in a round at least two after this one:
+    // those of the rounds between are gone.
+    if (resume_.upstream_saved && resume_.round > round_ + 1) {
+      throw StateError("load_state: " + name() + " had run " + std::to_string(resume_.round - round_) +
+                       " rounds ahead of the consumer when the state was taken, and what upstream decided by "
+                       "timing in the rounds between is not kept; take the state again");
     }
     return skipped;
   }
-  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
+  // This round's and the last round's decisions upstream, and which round.
+  void save_extras(State& nodes, bool in_pass) const override {
+    if (!in_pass) return upstream_->save_extras(nodes, in_pass);
+    while (true) {
+      // acquire: pairs with end_change()'s release store: what the change
+      // wrote is visible.
+      const uint64_t version = version_.load(std::memory_order_acquire);
+      if (version % 2 != 0) {  // a round is starting on another thread
+        std::this_thread::yield();
+        continue;
+      }
+      State current = State::object();
+      upstream_->save_extras(current, in_pass);
+      const std::shared_ptr<const State> previous = get_previous();
+      const uint64_t round = round_seen_.load(std::memory_order_relaxed);  // relaxed: checked by the version
+      // acquire fence: pairs with begin_change()'s release fence: if a read
+      // above saw a change's writes, the version below is that change's.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (version_.load(std::memory_order_relaxed) != version) continue;  // relaxed: after the fence
+      State mine = State::object();
+      mine.set("round", round);
+      if (previous) mine.set("previous", *previous);
+      nodes.set(std::to_string(this->id_), std::move(mine));
+      for (const auto& [key, value] : current.members()) nodes.set(key, value);
+      return;
+    }
+  }
   std::optional<T> produce() override {
     while (round_ < times_) {
       std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
@@ -93,10 +146,7 @@ class Repeat final : public MeteredNode<T> {
       }
       // An upstream with nothing in it would make repeat() spin for ever.
       if (empty_round_) return std::nullopt;
-      if (++round_ == times_) break;
-      empty_round_ = true;
-      conveyor::detail::ResetWalk walk = walk_at_start_;  // the same ids, the same shard
-      upstream_->reset(round_pass(round_), walk);
+      if (!next_round()) break;
     }
     return std::nullopt;
   }
@@ -113,17 +163,93 @@ class Repeat final : public MeteredNode<T> {
 
   PassContext round_pass(uint64_t round) const {
     PassContext sub = pass_;
-    sub.seed = item_seed(pass_, this->id_, 0);
+    // Position ~0: never an item's, so no upstream node's item seed.
+    sub.seed = item_seed(pass_, round_key_, ~uint64_t{0});
     sub.epoch = round;
     return sub;
   }
+
+  // The next round, if any: the finished round's decisions are kept for a
+  // state taken while the consumer is still in it.
+  bool next_round() {
+    if (round_ + 1 >= times_) {
+      round_ = times_;  // ended: produce() asks upstream no more
+      return false;
+    }
+    const uint64_t version = begin_change();
+    State finished = State::object();
+    upstream_->save_extras(finished, true);
+    set_previous(std::make_shared<const State>(std::move(finished)));
+    ++round_;
+    empty_round_ = true;
+    start_round(round_);
+    end_change(version);
+    return true;
+  }
+  void start_round(uint64_t round) {
+    conveyor::detail::ResetWalk walk = walk_at_start_;  // the same ids, the same shard
+    walk.restoring = restoring_for(round);
+    upstream_->reset(round_pass(round), walk);
+    round_seen_.store(round, std::memory_order_relaxed);  // relaxed: inside a change (see save_extras)
+  }
+  std::shared_ptr<const State> restoring_for(uint64_t round) const {
+    if (!resume_.current) return nullptr;
+    if (round == resume_.round) return resume_.current;
+    if (round + 1 == resume_.round) return resume_.previous;
+    return nullptr;
+  }
+  // Does `saved` hold anything for upstream's nodes (ids [first, end))?
+  static bool upstream_saved(const State& saved, uint64_t first, uint64_t end) {
+    for (uint64_t id = first; id < end; ++id) {
+      if (saved.find(std::to_string(id))) return true;
+    }
+    return false;
+  }
+
+  // A seqlock around what save_extras() reads, for a state taken on the
+  // consumer's thread while this node starts a round on another.
+  uint64_t begin_change() {
+    const uint64_t version = version_.load(std::memory_order_relaxed) + 1;  // relaxed: only this thread stores it
+    version_.store(version, std::memory_order_relaxed);  // odd: a change is under way
+    // release fence: a reader whose copy saw any write after it sees the
+    // odd version (or a later one) when it looks again.
+    std::atomic_thread_fence(std::memory_order_release);
+    return version;
+  }
+  void end_change(uint64_t version) {
+    // release: pairs with save_extras()'s acquire load of the version.
+    version_.store(version + 1, std::memory_order_release);
+  }
+
+  struct Resume {
+    uint64_t round = 0;
+    std::shared_ptr<const State> current;   // the saved round's
+    std::shared_ptr<const State> previous;  // the round's before it
+    bool upstream_saved = false;
+  };
 
   NodePtr<T> upstream_;
   uint64_t times_;
   PassContext pass_;
   conveyor::detail::ResetWalk walk_at_start_;
+  uint64_t round_key_ = 0;
   uint64_t round_ = 0;
   bool empty_round_ = true;
+  Resume resume_;
+  std::atomic<uint64_t> version_{0};
+  std::atomic<uint64_t> round_seen_{0};
+  // The last round's decisions, set where the node runs and read by
+  // state(): under a mutex (taken once a round and once a state).
+  void set_previous(std::shared_ptr<const State> previous) {
+    std::lock_guard lock(previous_mutex_);
+    previous_ = std::move(previous);
+  }
+  std::shared_ptr<const State> get_previous() const {
+    std::lock_guard lock(previous_mutex_);
+    return previous_;
+  }
+  mutable std::mutex previous_mutex_;
+  std::shared_ptr<const State> previous_;
 };
 
 inline auto repeat(uint64_t times = Repeat<int>::kForever) {
@@ -182,14 +308,14 @@ class Cache final : public MeteredNode<T> {
   // A complete cache says which pass filled it: a new process resuming
   // after that pass fills it the same way. Read as of the last reset (the
   // consumer's thread), not as the pass goes on.
-  void save_extras(State& nodes) const override {
+  void save_extras(State& nodes, bool in_pass) const override {
     if (complete_at_reset_) {
       State mine = State::object();
       mine.set("filled_in_epoch", filling_pass_.epoch);
       mine.set("filled_with_seed", filling_pass_.seed);
       nodes.set(std::to_string(this->id_), std::move(mine));
     }
-    upstream_->save_extras(nodes);
+    upstream_->save_extras(nodes, in_pass);
   }
 
  private:

@@ -45,7 +45,7 @@ class Shard final : public MeteredNode<T> {
     position_ = end;
     return std::min(count, kept);
   }
-  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
+  void save_extras(State& nodes, bool in_pass) const override { upstream_->save_extras(nodes, in_pass); }
 
  private:
   std::optional<T> produce() override {

@@ -14,15 +14,19 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "conveyor/dataset.h"
+#include "conveyor/generator.h"
 #include "conveyor/node.h"
 #include "conveyor/nodes/stage.h"
 #include "conveyor/sampler.h"
+#include "conveyor/state.h"
 
 namespace conveyor::nodes {
 
@@ -81,25 +85,43 @@ class RangeSource final : public Source<int64_t> {
   using Node<int64_t>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     const detail::Stride stride = detail::take_shard(pass, walk);
-    next_ = begin_ + static_cast<int64_t>(stride.first);
     step_ = static_cast<int64_t>(stride.step);
+    // This shard's first: begin_ + first, unless that is past the end.
+    const uint64_t span = begin_ < end_ ? static_cast<uint64_t>(end_) - static_cast<uint64_t>(begin_) : 0;
+    next_ = stride.first < span ? static_cast<int64_t>(static_cast<uint64_t>(begin_) + stride.first) : end_;
     start_metering(pass, walk.next_id++);
   }
   std::optional<int64_t> produce() override {
     if (next_ >= end_) return std::nullopt;
     const int64_t value = next_;
-    next_ += step_;
+    const uint64_t span = static_cast<uint64_t>(end_) - static_cast<uint64_t>(next_);  // > 0
+    next_ = span > static_cast<uint64_t>(step_) ? next_ + step_ : end_;
     return value;
   }
   std::string name() const override { return "from_range"; }
   uint64_t skip(uint64_t count, bool) override {
-    const uint64_t left = next_ < end_ ? static_cast<uint64_t>((end_ - next_ + step_ - 1) / step_) : 0;
-    const uint64_t skipped = std::min(count, left);
-    next_ += static_cast<int64_t>(skipped) * step_;
+    const uint64_t skipped = std::min(count, left());
+    advance(skipped);
     return skipped;
   }
 
  private:
+  // In unsigned arithmetic: a range may span all of int64_t, where end_ -
+  // next_ and next_ + step_ overflow.
+  uint64_t left() const {
+    if (next_ >= end_) return 0;
+    const uint64_t span = static_cast<uint64_t>(end_) - static_cast<uint64_t>(next_);
+    const auto step = static_cast<uint64_t>(step_);
+    return span / step + (span % step != 0 ? 1 : 0);
+  }
+  void advance(uint64_t count) {  // count <= left()
+    if (count == left()) {
+      next_ = end_;
+      return;
+    }
+    next_ = static_cast<int64_t>(static_cast<uint64_t>(next_) + count * static_cast<uint64_t>(step_));
+  }
+
   int64_t begin_, end_;
   int64_t next_ = 0, step_ = 1;
 };
@@ -122,6 +144,15 @@ class MapDatasetSource final : public Source<sample_t<D>> {
     stride_ = detail::take_shard(pass, walk);
     this->start_metering(pass, walk.next_id++);
     if (sampler_) {
+      // What iter() draws from, as this pass starts: a resumed pass starts
+      // from the saved one (a RandomSampler's permutation is then the same
+      // in a new process).
+      if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) restore_start(*saved);
+      {
+        auto start = std::make_shared<const State>(sampler_start());
+        std::lock_guard lock(pass_start_mutex_);
+        pass_start_ = std::move(start);
+      }
       sampler_->set_epoch(pass.epoch);
       indices_ = sampler_->iter();
     } else {
@@ -144,6 +175,17 @@ class MapDatasetSource final : public Source<sample_t<D>> {
     }
   }
   std::string name() const override { return "from_map_dataset"; }
+  // The sampler's state (and the process generator's, when it draws from
+  // it) as the pass began, or, between passes, as the next one will.
+  void save_extras(State& nodes, bool in_pass) const override {
+    if (!sampler_) return;
+    std::shared_ptr<const State> start;
+    {
+      std::lock_guard lock(pass_start_mutex_);
+      start = pass_start_;
+    }
+    nodes.set(std::to_string(this->id_), in_pass && start ? *start : sampler_start());
+  }
   // The sampler's indices, without get(): a failed get() was an output too.
   uint64_t skip(uint64_t count, bool) override {
     uint64_t skipped = 0;
@@ -155,8 +197,41 @@ class MapDatasetSource final : public Source<sample_t<D>> {
   }
 
  private:
+  State sampler_start() const {
+    State out = State::object();
+    out.set("sampler_fingerprint", sampler_->fingerprint());
+    out.set("sampler", sampler_->state());
+    if (sampler_->draws_from_default_generator()) {
+      const std::vector<uint8_t> bytes = default_generator().get_state();
+      out.set("process_generator", std::string(bytes.begin(), bytes.end()));
+    }
+    return out;
+  }
+  void restore_start(const State& saved) {
+    const State& fingerprint = saved.at("sampler_fingerprint");
+    if (!(fingerprint == sampler_->fingerprint())) {
+      throw StateError("load_state: from_map_dataset's sampler was saved as " + fingerprint.to_json() +
+                       ", but this one is " + sampler_->fingerprint().to_json());
+    }
+    const State* process = saved.find("process_generator");
+    if (sampler_->draws_from_default_generator() != (process != nullptr)) {
+      throw StateError(std::string("load_state: from_map_dataset's sampler ") +
+                       (process ? "drew from the process generator when saved, and has a generator of its own now"
+                                : "had a generator of its own when saved, and draws from the process generator now"));
+    }
+    sampler_->load_state(saved.at("sampler"));
+    if (process) {
+      const std::string& text = process->as_string("process_generator");
+      default_generator().set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+    }
+  }
+
   std::shared_ptr<D> dataset_;
   std::shared_ptr<Sampler<size_t>> sampler_;
+  // Set at reset (a mid-pass one may run on a strand), read by state() on
+  // the consumer's thread: under a mutex, taken once a pass and once a state.
+  mutable std::mutex pass_start_mutex_;
+  std::shared_ptr<const State> pass_start_;
   std::unique_ptr<SamplerIterator<size_t>> indices_;
   detail::Stride stride_;
   size_t position_ = 0;

@@ -35,7 +35,9 @@ class Counter {
 
 // A node's counts and, in a timed pass, its clocks.
 struct Meter {
-  bool timed = false;           // written by reset only, while nothing runs the node
+  // Written by reset, read where the node runs and by metrics(): a reset in
+  // the middle of the consumer's pass (repeat's rounds) may run on a strand.
+  std::atomic<bool> timed{false};
   Counter<uint64_t> in;         // items taken from upstream this pass
   Counter<uint64_t> out;        // items handed out this pass
   Counter<uint64_t> skipped;    // items dropped under OnError::skip this pass
@@ -143,7 +145,10 @@ class MeteredNode : public Node<Out> {
   virtual void add_own_metrics(NodeMetrics&) const {}
   // Every reset calls this once: the node's id, a fresh meter.
   void start_metering(const PassContext& pass, uint64_t id) noexcept {
-    id_ = id;
+    // relaxed: a reset in the middle of the consumer's pass (repeat's rounds,
+    // on a strand) rewrites the same id while metrics() may read it; nothing
+    // is published through it.
+    id_.store(id, std::memory_order_relaxed);
     meter_.start_pass(pass.timed);
   }
   // For a node's own try_next: counts what it hands out.
@@ -152,7 +157,7 @@ class MeteredNode : public Node<Out> {
     return poll;
   }
 
-  uint64_t id_ = 0;
+  std::atomic<uint64_t> id_{0};  // given by each reset (ResetWalk's order)
   detail::Meter meter_;
 };
 
@@ -184,7 +189,7 @@ class Stage : public MeteredNode<Out> {
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
 
  public:
-  void save_extras(State& nodes) const override { upstream_->save_extras(nodes); }
+  void save_extras(State& nodes, bool in_pass) const override { upstream_->save_extras(nodes, in_pass); }
 
  protected:
   // Passes over `count` upstream items as if pulled (Node::skip): for a node

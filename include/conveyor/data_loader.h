@@ -420,12 +420,15 @@ class DataLoader {
                          " workers' generators for a loader with num_workers=" + std::to_string(core.plan.num_workers));
       }
     }
-    // Everything is read: now change the loader.
-    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), start.string_at("generator"));
-    if (const State* process = start.find("process_generator")) {
-      restore_generator(default_generator(), process->as_string("process_generator"));
-    }
+    // Everything is read, the generators' texts on scratch engines: now
+    // change the loader, the sampler first (its own checks may refuse).
+    const std::string& generator_text = start.string_at("generator");
+    const State* process = start.find("process_generator");
+    check_generator_text(generator_text, "start.generator");
+    if (process) check_generator_text(process->as_string("process_generator"), "start.process_generator");
     if (core.plan.index_sampler) core.plan.index_sampler->load_state(start.at("sampler"));
+    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), generator_text);
+    if (process) restore_generator(default_generator(), process->as_string("process_generator"));
     const State& persistent = start.at("persistent_base_seed");
     core.persistent_base_seed =
         persistent.is_null() ? std::nullopt : std::optional<int64_t>(persistent.as_int("persistent_base_seed"));
@@ -512,6 +515,10 @@ class DataLoader {
     if (round_robin) out.set("num_workers", static_cast<uint64_t>(plan.num_workers));
     // Persistent workers draw one base seed for all epochs.
     out.set("persistent_workers", plan.persistent_workers);
+    // Which generators the state's generator texts belong to.
+    out.set("own_generator", plan.generator.has_value());
+    out.set("sampler_draws_process_generator",
+            plan.index_sampler != nullptr && plan.index_sampler->draws_from_default_generator());
     return out;
   }
 
@@ -532,6 +539,14 @@ class DataLoader {
   static std::string generator_text(const Generator& generator) {
     const std::vector<uint8_t> bytes = generator.get_state();
     return std::string(bytes.begin(), bytes.end());
+  }
+  static void check_generator_text(const std::string& text, const char* field) {
+    try {
+      Generator scratch;
+      restore_generator(scratch, text);
+    } catch (const std::exception& error) {
+      throw StateError(std::string("load_state_dict: '") + field + "' is not a generator's state: " + error.what());
+    }
   }
   static void restore_generator(Generator& generator, const std::string& text) {
     generator.set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));

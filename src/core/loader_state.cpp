@@ -105,6 +105,15 @@ GeneratorPosition generator_from_state(const State& state) {
   if (const State* origin = state.find("origin")) {
     const std::string& text = origin->as_string("origin");
     position.origin = std::make_shared<const std::vector<uint8_t>>(text.begin(), text.end());
+    // Checked now, on a scratch engine: a bad one would otherwise fail only
+    // when a worker seeks to it (or in a destructor that applies a seek).
+    try {
+      Generator scratch;
+      scratch.set_state(*position.origin);
+    } catch (const std::exception& error) {
+      throw StateError(std::string("load_state_dict: a generator position's 'origin' is not a generator's state: ") +
+                       error.what());
+    }
   }
   return position;
 }

@@ -419,6 +419,28 @@ TEST(LoaderResume, AMismatchNamesTheFieldAndRoundRobinSaysWhyNotAnotherWorkerCou
   EXPECT_THROW(saver.load_state_dict(State::from_json(R"({"format": "conveyor.Pipeline"})")), StateError);
 }
 
+// The state's generator texts belong to the generators it was saved from:
+// a loader with its own generator does not load a state of one drawing from
+// the process's (its sampler would draw from an unrestored one).
+TEST(LoaderResume, AStateLoadsOnlyWhereItsGeneratorsAre) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});
+  Loader process_drawn(dataset, {.batch_size = 4, .shuffle = true});
+  Loader own(dataset, {.batch_size = 4, .shuffle = true, .seed = 5});
+  EXPECT_NE(error_of([&] { own.load_state_dict(process_drawn.state_dict()); }).find("'own_generator' does not match"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { process_drawn.load_state_dict(own.state_dict()); }).find("'own_generator' does not match"),
+            std::string::npos);
+
+  // A generator text that is not one is refused at load, before the loader
+  // changes, naming the field.
+  State bad = own.state_dict();
+  State start = bad.at("start");
+  start.set("generator", "not a generator");
+  bad.set("start", std::move(start));
+  const std::string message = error_of([&] { own.load_state_dict(bad); });
+  EXPECT_NE(message.find("'start.generator' is not a generator's state"), std::string::npos) << message;
+}
+
 TEST(LoaderResume, IterableDatasetsRefuseAnotherWorkerCount) {
   auto dataset = std::make_shared<DrawingStream>(40, std::set<int64_t>{});
   DataLoader<DrawingStream> saver(dataset, {.batch_size = 4, .num_workers = 2});

@@ -57,6 +57,7 @@ void EpochProgress::commit_deferred() {
     const size_t slot = pending_head_;
     pending_head_ = (pending_head_ + 1) & mask_;
     --pending_size_;
+    if (pending_[slot].sampler_error) return;  // what the consumer just received
     apply(pending_[slot], pending_generators_[slot]);
     if (pending_[slot].output) return;
   }

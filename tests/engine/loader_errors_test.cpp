@@ -106,6 +106,50 @@ TEST(SamplerErrors, ASamplerThatThrowsOnceLosesNoBatchAndTheErrorKeepsItsPlace) 
   }
 }
 
+// A state taken just after the consumer received a sampler error resumes
+// with the batch after it, also when a transfer stage ran ahead of the
+// consumer (its bookkeeping commits one record per thing received, and the
+// error is one).
+TEST(SamplerErrors, AStateTakenRightAfterASamplerErrorResumesWithTheNextBatch) {
+  RangeDataset dataset(40);
+  for (const bool to_device : {false, true}) {
+    SCOPED_TRACE(to_device ? "prefetch_to_device" : "no transfer stage");
+    auto options_with = [to_device](std::shared_ptr<conveyor::Sampler<BatchIndices>> sampler) {
+      // No workers: every batch is ready when the transfer stage looks
+      // ahead, so it always runs past the error before the consumer has it.
+      conveyor::LoaderOptions options{.batch_sampler = std::move(sampler), .num_workers = 0};
+      if (to_device) {
+        options.pin_memory = true;
+        options.transfer_device = conveyor::make_host_standin_device();
+        options.prefetch_to_device = 2;
+      }
+      return options;
+    };
+    conveyor::DataLoader loader(dataset, options_with(std::make_shared<FlakySampler>(40, 3)));
+    auto epoch = loader.iter();
+    std::vector<std::string> before;
+    while (before.size() < 10 && (before.empty() || before.back().rfind("error:", 0) != 0)) {
+      try {
+        auto batch = epoch.next();
+        ASSERT_TRUE(batch);
+        before.push_back(std::to_string((*batch)[0]));
+      } catch (const std::exception& e) {
+        before.push_back(std::string("error:") + e.what());
+      }
+    }
+    EXPECT_EQ(before, (std::vector<std::string>{"0", "2", "4", "error:sampler next() broke"}));
+    const conveyor::State state = loader.state_dict();
+    // The same sampler (by name and size) that no longer fails.
+    conveyor::DataLoader resumed(dataset, options_with(std::make_shared<FlakySampler>(40, -1)));
+    resumed.load_state_dict(state);
+    auto rest = resumed.iter();
+    const std::vector<std::string> after = walk(rest);
+    ASSERT_FALSE(after.empty());
+    EXPECT_EQ(after.front(), "6");
+    EXPECT_EQ(after.size(), 17u);
+  }
+}
+
 TEST(SamplerErrors, OutOfOrderTheBatchesBeforeTheErrorStillComeFirst) {
   RangeDataset dataset(20);
   conveyor::DataLoader loader(dataset, {.batch_sampler = std::make_shared<FlakySampler>(20, 5),

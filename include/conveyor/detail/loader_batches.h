@@ -828,7 +828,10 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   // thrown here, in its place: after every batch drawn before it.
   bool nothing_in_flight() {
     if (lanes_->in_flight() > 0) return false;
-    if (sampler_error_) std::rethrow_exception(std::exchange(sampler_error_, nullptr));
+    if (sampler_error_) {
+      progress_->note_sampler_error();
+      std::rethrow_exception(std::exchange(sampler_error_, nullptr));
+    }
     return true;
   }
 

@@ -56,6 +56,9 @@ struct TakeRecord {
   bool output = false;          // a batch or a failed batch: the consumer will receive it
   bool failed = false;          // a failed batch
   bool end_of_replica = false;  // iterable: that replica has no more
+  // The sampler's error, thrown to the consumer in its place: nothing to
+  // apply, but the consumer's receipt of it commits no batch after it.
+  bool sampler_error = false;
 };
 
 // Where an epoch stands, as received: what a state holds and a resume reads.
@@ -116,8 +119,13 @@ struct EpochProgress {
       defer(record, std::move(generator));
     }
   }
-  // The consumer received the next batch (or failed batch): commits the
-  // records up to it.
+  // The sampler failed, and its error goes to the consumer after every
+  // batch taken so far (and before any taken after).
+  void note_sampler_error() {
+    if (deferred_) defer(TakeRecord{.sampler_error = true}, std::nullopt);
+  }
+  // The consumer received the next batch (or failed batch, or sampler
+  // error): commits the records up to it.
   void commit_received() {
     if (deferred_) commit_deferred();
   }

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -516,8 +517,12 @@ std::string directory_of(const std::string& path) {
 
 void save_state_file(const std::string& path, const State& state) {
   const std::string text = state.to_json() + "\n";
-  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A name of this call's own, created exclusively and never through a
+  // link: two threads (or processes) saving the same path each write their
+  // own file, and a planted symlink is not followed.
+  static std::atomic<uint64_t> calls{0};
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(++calls);
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd < 0) io_error("save_state_file: cannot create", temporary, errno);
   try {
     write_all(fd, text, temporary);
@@ -552,7 +557,7 @@ State load_state_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     const int error = errno;
-    if (error == ELOOP) throw StateError("load_state_file: " + path + " is a symbolic link, not a state file");
+    if (error == ELOOP) throw StateError("load_state_file: " + path + " is a symbolic link (or its path holds too many), not a state file");
     io_error("load_state_file: cannot open", path, error);
   }
   struct Close {

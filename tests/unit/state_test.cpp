@@ -12,6 +12,8 @@
 #include <fstream>
 #include <limits>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace conveyor {
 namespace {
@@ -171,6 +173,34 @@ TEST(State, FilesAreReplacedWholeAndSpecialFilesRefused) {
   std::ofstream(dir / "garbage") << "{\"n\": ";
   EXPECT_THROW(load_state_file((dir / "garbage").string()), StateError);
   EXPECT_THROW(load_state_file((dir / "absent").string()), RuntimeError);
+  std::filesystem::remove_all(dir);
+}
+
+// Threads saving the same path at once each write a temporary file of
+// their own: the file is always one of them, whole.
+TEST(State, ConcurrentSavesOfOnePathLeaveOneWholeState) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("conveyor_state_race_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "state.json").string();
+  std::vector<std::thread> savers;
+  for (int t = 0; t < 4; ++t) {
+    savers.emplace_back([&path, t] {
+      for (int i = 0; i < 50; ++i) {
+        State state = State::object();
+        state.set("writer", t);
+        state.set("payload", std::string(static_cast<size_t>(1000 * (t + 1)), static_cast<char>('a' + t)));
+        save_state_file(path, state);
+      }
+    });
+  }
+  for (std::thread& saver : savers) saver.join();
+  const State loaded = load_state_file(path);
+  const auto writer = static_cast<size_t>(loaded.int_at("writer"));
+  EXPECT_EQ(loaded.string_at("payload"), std::string(1000 * (writer + 1), static_cast<char>('a' + writer)));
+  size_t files = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++files;
+  EXPECT_EQ(files, 1u);
   std::filesystem::remove_all(dir);
 }
 

@@ -151,10 +151,13 @@ ReceivedSet set_from_state(const State& state) {
   if (!std::is_sorted(set.beyond.begin(), set.beyond.end()) ||
       std::adjacent_find(set.beyond.begin(), set.beyond.end()) != set.beyond.end() ||
       (!set.beyond.empty() && set.beyond.front() <= set.prefix)) {
-    throw StateError("load_state_dict: 'beyond' should list batches after 'prefix', each once, in increasing order");
+    throw StateError("load_state_dict: 'beyond' should list batches after 'prefix' (" + std::to_string(set.prefix) +
+                     "), each once, in increasing order, but it is " + state.at("beyond").to_json().substr(0, 200));
   }
   if (set.beyond_generators.size() != set.beyond.size()) {
-    throw StateError("load_state_dict: 'beyond_generators' should hold one entry per batch in 'beyond'");
+    throw StateError("load_state_dict: 'beyond_generators' should hold one entry per batch in 'beyond' (" +
+                     std::to_string(set.beyond.size()) + "), but it holds " +
+                     std::to_string(set.beyond_generators.size()));
   }
   return set;
 }
@@ -194,7 +197,7 @@ EpochPosition epoch_position_from_state(const State& state) {
     position.next_lane = state.uint_at("next_lane");
     if (position.lanes.empty() || position.next_lane >= position.lanes.size()) {
       throw StateError("load_state_dict: 'next_lane' should name one of the " + std::to_string(position.lanes.size()) +
-                       " replicas");
+                       " replicas, but it is " + std::to_string(position.next_lane));
     }
   }
   position.generators = generators_from_state(state.at("generators"));

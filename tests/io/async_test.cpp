@@ -556,6 +556,77 @@ TEST(AsyncMapStress, RandomCompletionsResetsAndDestructionAgainstTheModel) {
   }
 }
 
+// The wake-up handshake (AsyncWindow::park / deliver): one thread
+// delivers the window's items in a shuffled order, each after a random busy
+// wait of 0-60 us (around the node's 20 us spin, so deliveries land before,
+// during and after it parks). In order, only the head's delivery may wake
+// the node; out of order, any. A lost wake-up hangs next(): the watchdog
+// fails the test, naming the seed.
+TEST(AsyncMapStress, AParkedNodeIsWokenByTheDeliveryItWaitsFor) {
+  const uint64_t seed = stress_seed();
+  std::printf("async_map park seed %llu (replay: CONVEYOR_ASYNC_SEED=%llu)\n", static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  for (const bool in_order : {true, false}) {
+    SCOPED_TRACE(std::string("in_order ") + (in_order ? "true" : "false") + ", seed " + std::to_string(seed));
+    std::mutex mutex;
+    std::condition_variable started_more;
+    std::vector<std::pair<int64_t, Completion<int64_t>>> started;
+    bool stopping = false;
+    std::thread deliverer([&, rng = std::mt19937_64(seed ^ in_order)]() mutable {
+      std::vector<std::pair<int64_t, Completion<int64_t>>> mine;
+      std::unique_lock lock(mutex);
+      while (true) {
+        started_more.wait(lock, [&] { return stopping || !started.empty(); });
+        if (started.empty()) return;
+        mine.swap(started);
+        lock.unlock();
+        std::shuffle(mine.begin(), mine.end(), rng);
+        for (auto& [i, done] : mine) {
+          const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(rng() % 61);
+          while (std::chrono::steady_clock::now() < until) {
+          }  // busy: a delivery at a chosen point of the node's spin or park
+          done(i * 7);
+        }
+        mine.clear();
+        lock.lock();
+      }
+    });
+    const int64_t n = 3000;
+    const int window = 1 + static_cast<int>(seed % 8);
+    auto pipeline = nodes::from_range(0, n) |
+                    nodes::async_map<int64_t>(
+                        [&](int64_t i, Completion<int64_t> done) {
+                          {
+                            std::lock_guard lock(mutex);
+                            started.emplace_back(i, std::move(done));
+                          }
+                          started_more.notify_one();
+                        },
+                        {.max_in_flight = window, .in_order = in_order});
+    auto consume = std::async(std::launch::async, [&] {
+      std::vector<int64_t> got;
+      for (int64_t v : pipeline.pass()) got.push_back(v);
+      return got;
+    });
+    if (consume.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
+      std::fprintf(stderr, "async_map park: next() still waiting after 120 s: a lost wake-up (seed %llu)\n",
+                   static_cast<unsigned long long>(seed));
+      std::abort();  // the consumer cannot be joined
+    }
+    std::vector<int64_t> got = consume.get();
+    {
+      std::lock_guard lock(mutex);
+      stopping = true;
+    }
+    started_more.notify_one();
+    deliverer.join();
+    if (!in_order) std::sort(got.begin(), got.end());
+    ASSERT_EQ(got.size(), static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], i * 7) << "item " << i;
+  }
+}
+
 }  // namespace
 
 namespace {

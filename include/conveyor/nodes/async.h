@@ -21,10 +21,11 @@
 // coroutine interface over callback APIs) needs an awaiter per API.
 //
 // Contract (as every node, conveyor/node.h):
-// - next() waits for the next item on an atomic futex word (std::atomic
-//   wait: a short spin, then FUTEX_WAIT), woken by the completion that
-//   delivers it; try_next() never waits (Poll::pending). fn and upstream run
-//   on the thread advancing the node (try_next uses upstream's try_next).
+// - next() waits for the next item with a spin of at most 20 us, then a
+//   futex wait that only the delivery it waits for ends (in order the
+//   head's, out of order any): other deliveries make no system call.
+//   try_next() never waits (Poll::pending). fn and upstream run on the
+//   thread advancing the node (try_next uses upstream's try_next).
 // - Order: in input order (in_order = true), or as they complete.
 // - Errors: fn throwing, completion.fail(e) or a completion destroyed
 //   without being called fail the item: next() throws a NodeError naming the
@@ -81,6 +82,14 @@ struct AsyncOptions {
 };
 
 namespace detail {
+
+inline void cpu_pause() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // One pass's window, shared by the node and every completion it handed out
 // (so that a completion may outlive the pass and the node).
@@ -154,10 +163,18 @@ class AsyncWindow {
       } while (!ready_head_.compare_exchange_weak(head, index + 1, std::memory_order_release,
                                                   std::memory_order_relaxed));
     }
-    // seq_cst, with the node's seq_cst load in wait(): a delivery after the
-    // node read the signal changes it, so the node's futex wait returns.
-    signal_.fetch_add(1);
-    signal_.notify_one();  // no system call unless someone waits (libstdc++ counts waiters)
+    // The wake-up handshake (park()): (D) pairs with the node's fence (P).
+    // Either the node's check after (P) sees this delivery, or our load
+    // below sees the node parked. Only the delivery the node waits for
+    // wakes it, so a burst of deliveries costs one system call, not one each.
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // (D)
+    // relaxed: ordered by (D); the compare-exchange decides which completer
+    // wakes the node.
+    uint32_t parked = parked_.load(std::memory_order_relaxed);
+    if (parked != kNotParked && (parked == kAwaitAny || parked == index + 1) &&
+        parked_.compare_exchange_strong(parked, kNotParked, std::memory_order_relaxed)) {
+      parked_.notify_one();
+    }
     return true;
   }
 
@@ -198,10 +215,43 @@ class AsyncWindow {
     std::reverse(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());  // the stack is newest first
   }
 
-  // The node's: the signal before it looks for a ready item; wait(seen)
-  // returns once a delivery happened after that read.
-  uint32_t signal() const noexcept { return signal_.load(); }
-  void wait(uint32_t seen) const noexcept { signal_.wait(seen); }
+  // The node's: sleeps until ready() holds. `slot` is the slot whose
+  // delivery makes it hold (in order), or kAnySlot (out of order: any).
+  // ready() reads only what deliveries publish.
+  static constexpr uint32_t kAnySlot = kNoSlot;
+  static constexpr std::chrono::microseconds kSpin{20};
+  template <class Ready>
+  void park(uint32_t slot, Ready ready) noexcept {
+    const uint32_t awaited = slot == kAnySlot ? kAwaitAny : slot + 1;
+    // A short spin first: with hundreds in flight the next delivery is
+    // often microseconds away, and a park costs the waking completer a
+    // system call and this thread a reschedule (tens of us on a VM).
+    // Bounded in time, not in pauses, whose length differs 10x across CPUs.
+    const auto spin_end = std::chrono::steady_clock::now() + kSpin;
+    for (uint32_t spin = 1;; ++spin) {
+      if (ready()) return;
+      cpu_pause();
+      if (spin % 64 == 0 && std::chrono::steady_clock::now() >= spin_end) break;
+    }
+    while (true) {
+      // relaxed: ordered against the check below by (P).
+      parked_.store(awaited, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);  // (P) pairs with deliver()'s (D)
+      if (ready()) break;
+      // Returns once the awaited delivery cleared parked_ (at once if it
+      // already has); a spurious return checks again.
+      parked_.wait(awaited, std::memory_order_relaxed);
+      if (ready()) break;
+    }
+    // relaxed: a completer that still clears it later only wakes a later
+    // park() spuriously, which checks again.
+    parked_.store(kNotParked, std::memory_order_relaxed);
+  }
+  // Out of order: whether a delivery waits for take_ready().
+  bool has_ready() const noexcept {
+    // relaxed: a hint for park(); take_ready()'s exchange acquires the slots.
+    return ready_head_.load(std::memory_order_relaxed) != 0;
+  }
 
   const std::exception_ptr& dropped_error() const noexcept { return dropped_error_; }
 
@@ -210,7 +260,9 @@ class AsyncWindow {
   const bool in_order_;
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint32_t> ready_head_{0};  // out of order: slot + 1 of the newest delivery, 0 empty
-  std::atomic<uint32_t> signal_{0};      // bumped by every delivery: the node's futex word
+  // The node's futex word: kNotParked, the awaited slot + 1, or kAwaitAny.
+  static constexpr uint32_t kNotParked = 0, kAwaitAny = 0xffffffffu;
+  std::atomic<uint32_t> parked_{kNotParked};
   std::exception_ptr dropped_error_;     // made once: a destructor must not allocate
 };
 
@@ -332,10 +384,9 @@ class AsyncMap : public Stage<In, Out> {
     while (true) {
       fill(/*blocking=*/true);
       if (in_flight() == 0) return std::nullopt;
-      const uint32_t seen = window().signal();
       const Poll poll = take(out);
       if (poll == Poll::ready) return out;
-      if (poll == Poll::pending) window().wait(seen);  // else skipped: look again
+      if (poll == Poll::pending) park();  // else skipped: look again
     }
   }
 
@@ -505,11 +556,10 @@ class AsyncMap : public Stage<In, Out> {
     }
     start(std::move(*pending.item), wanted, pending.position);
     while (true) {
-      const uint32_t seen = window().signal();
       const Poll poll = take(out);  // logs the input it hands out
       if (poll == Poll::ready) return true;
       if (poll == Poll::end) return false;
-      window().wait(seen);
+      park();
     }
   }
 
@@ -579,6 +629,19 @@ class AsyncMap : public Stage<In, Out> {
     if (s.dropped) {
       s.error = std::move(thrown);
       s.dropped = false;
+    }
+  }
+
+  // Sleeps until take() has something: in order, the head slot's delivery;
+  // out of order, any.
+  void park() {
+    Window& w = window();
+    if (options_.in_order) {
+      const auto index = static_cast<uint32_t>(head_ % w.capacity());
+      const uint64_t ticket = tickets_[index];
+      w.park(index, [&] { return w.done(index, ticket); });
+    } else {
+      w.park(Window::kAnySlot, [&] { return w.has_ready(); });
     }
   }
 

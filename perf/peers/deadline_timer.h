@@ -1,22 +1,31 @@
 // W3-async's latency source: ONE thread completing requests at their
-// deadlines from a min-heap (the stand-in for a remote store answering after
-// 1 ms), so that N requests in flight cost one thread, not N sleeping ones.
+// deadlines (the stand-in for a remote store answering after 1 ms), so that
+// N requests in flight cost one thread, not N sleeping ones.
 //
 //   DeadlineTimer timer;
 //   timer.complete_at(now + 1ms, std::move(completion), value);
 //
-// Each request completes at or after its deadline, never before. The thread
-// asks for 1 ns of timer slack, as W3's sleeping workers do, so a wake-up is
-// not deferred by the kernel's default 50 us.
+// Each request completes at or after its deadline, never before; ties in
+// submission order. The thread asks for 1 ns of timer slack, as W3's
+// sleeping workers do, so a wake-up is not deferred by the kernel's default
+// 50 us.
+//
+// The stand-in should cost the client as little as a remote store would, so
+// neither side holds the lock for more than a push or a swap: submitters
+// append to `incoming_`; the thread takes the whole vector at once and keeps
+// its queue to itself. With one latency the deadlines arrive in order and
+// the queue is a FIFO (O(1) per request); an earlier one is inserted in its
+// place.
 #pragma once
 
 #include <conveyor/nodes/async.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
-#include <queue>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -39,15 +48,17 @@ class DeadlineTimer {
   }
 
   void complete_at(Clock::time_point deadline, conveyor::nodes::Completion<T> done, T value) {
-    bool earliest;
+    bool sooner;
     {
       std::lock_guard lock(mutex_);
-      earliest = heap_.empty() || deadline < heap_.top().deadline;
-      heap_.push(Entry{deadline, sequence_++, std::move(done), std::move(value)});
+      incoming_.push_back(Entry{deadline, std::move(done), std::move(value)});
+      // The thread sleeps until sleeping_until_ (max when idle); only a
+      // deadline before that needs it awake, which with one latency is the
+      // first request after an empty queue.
+      sooner = deadline < sleeping_until_;
+      if (sooner) sleeping_until_ = deadline;
     }
-    // Only a new earliest deadline changes how long the thread sleeps: with
-    // a fixed latency that is the first request after an empty heap.
-    if (earliest) wake_.notify_one();
+    if (sooner) wake_.notify_one();
   }
 
   // How late completions were, on average, after their deadline (us).
@@ -63,51 +74,68 @@ class DeadlineTimer {
  private:
   struct Entry {
     Clock::time_point deadline;
-    uint64_t sequence;  // ties complete in submission order
-    mutable conveyor::nodes::Completion<T> done;  // moved out of the heap's top (const) when due
-    mutable T value;
-    bool operator>(const Entry& other) const {
-      return deadline != other.deadline ? deadline > other.deadline : sequence > other.sequence;
-    }
+    conveyor::nodes::Completion<T> done;
+    T value;
   };
+
+  // Moves what was submitted into the thread's own queue, in deadline order.
+  void take_incoming(std::deque<Entry>& queue, std::vector<Entry>& batch) {
+    for (Entry& entry : batch) {
+      if (queue.empty() || !(entry.deadline < queue.back().deadline)) {
+        queue.push_back(std::move(entry));
+      } else {  // an earlier deadline than one already queued: after its equals
+        auto place = std::upper_bound(queue.begin(), queue.end(), entry.deadline,
+                                      [](Clock::time_point d, const Entry& e) { return d < e.deadline; });
+        queue.insert(place, std::move(entry));
+      }
+    }
+    batch.clear();
+  }
 
   void loop() {
     tight_timer_slack();
-    std::vector<std::pair<conveyor::nodes::Completion<T>, T>> due;
+    std::deque<Entry> queue;   // this thread's alone
+    std::vector<Entry> batch;  // swapped with incoming_
     std::unique_lock lock(mutex_);
     while (true) {
-      if (heap_.empty()) {
-        if (stopping_) return;
-        wake_.wait(lock);
-        continue;
-      }
-      const auto now = Clock::now();
-      if (heap_.top().deadline > now) {
-        if (stopping_) return;  // what is left is dropped (its completions fail, unwanted)
-        const auto deadline = heap_.top().deadline;  // a copy: a push while we wait may move the heap
-        wake_.wait_until(lock, deadline);
-        continue;
-      }
-      // Everything due now, completed outside the lock.
-      int64_t late = 0;
-      while (!heap_.empty() && heap_.top().deadline <= now) {
-        late += std::chrono::duration_cast<std::chrono::nanoseconds>(now - heap_.top().deadline).count();
-        due.emplace_back(std::move(heap_.top().done), std::move(heap_.top().value));
-        heap_.pop();
-      }
-      completed_ += due.size();
-      late_ns_ += late;
+      batch.swap(incoming_);
+      const bool stopping = stopping_;
       lock.unlock();
-      for (auto& [done, value] : due) done(std::move(value));
-      due.clear();
+      take_incoming(queue, batch);
+      if (stopping) return;  // what is left is dropped (its completions fail, unwanted)
+
+      // Everything due now, completed without the lock.
+      const auto now = Clock::now();
+      int64_t late = 0;
+      uint64_t completed = 0;
+      while (!queue.empty() && queue.front().deadline <= now) {
+        Entry& entry = queue.front();
+        late += std::chrono::duration_cast<std::chrono::nanoseconds>(now - entry.deadline).count();
+        entry.done(std::move(entry.value));
+        queue.pop_front();
+        ++completed;
+      }
+
       lock.lock();
+      completed_ += completed;
+      late_ns_ += late;
+      if (!incoming_.empty() || stopping_) continue;
+      if (completed) continue;  // time passed while delivering: look again before sleeping
+      sleeping_until_ = queue.empty() ? Clock::time_point::max() : queue.front().deadline;
+      if (queue.empty()) {
+        wake_.wait(lock, [&] { return !incoming_.empty() || stopping_; });
+      } else {
+        const auto deadline = sleeping_until_;
+        wake_.wait_until(lock, deadline, [&] { return sleeping_until_ < deadline || stopping_; });
+      }
+      sleeping_until_ = Clock::time_point::min();  // awake: a submitter need not wake it
     }
   }
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> heap_;
-  uint64_t sequence_ = 0;
+  std::vector<Entry> incoming_;  // guarded by mutex_
+  Clock::time_point sleeping_until_ = Clock::time_point::min();
   uint64_t completed_ = 0;
   int64_t late_ns_ = 0;
   bool stopping_ = false;

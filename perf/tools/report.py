@@ -149,7 +149,7 @@ class Report:
         torch_rate = torch.rate() if torch else None
         torch_cpu = torch.cpu_per_timed_second() if torch else None
         lines = ["The W3 workload (1 ms per sample) through `async_map`: each sample is a request completed "
-                 "1 ms later by ONE timer thread (a deadline heap, perf/peers/deadline_timer.h), up to N in "
+                 "1 ms later by ONE timer thread (a deadline queue, perf/peers/deadline_timer.h), up to N in "
                  "flight; from_range | async_map | batch(32) | collate on the consumer's thread. Two threads in "
                  "all. Bound: min(N / 1 ms, what the CPU allows = min(threads, cores) / CPU per sample). "
                  "LibTorch: its DataLoader with 64 worker threads sleeping 1 ms each, same run.", "",

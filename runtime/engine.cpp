@@ -348,7 +348,12 @@ struct Shared {
 
   static constexpr int64_t kAnySlot = -1;
 
-  moodycamel::LightweightSemaphore wake;  // parks the consumer
+  // Parks the consumer. No spinning of its own (its default is 10,000
+  // spins): wait_until() has spun already, and a second, hidden spin kept a
+  // consumer waiting microseconds per item from ever parking, so with more
+  // threads than cores it took CPU from the workers (W5's per-sample node
+  // graph at W=2 on 2 vCPUs: 118-128k -> 141-145k samples/s).
+  moodycamel::LightweightSemaphore wake{0, 0};
   alignas(64) std::atomic<bool> consumer_parked{false};
   // The slot the parked consumer waits for, or kAnySlot. Written with
   // consumer_parked, before (C2); read with it, after (P2).

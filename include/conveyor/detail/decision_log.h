@@ -28,7 +28,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -233,6 +236,56 @@ class CompletionOrder {
   std::vector<uint64_t> order_;  // the saved order
   size_t at_ = 0;                // its entries before this are handed out again
   std::vector<uint64_t> drop_;   // sorted
+};
+
+// What a resumed out-of-order node (a parallel or async map) pulls while it
+// hands the saved order out again: the inputs that came before their turn,
+// kept by input number (as many as the saved order was ahead of input
+// order: at most a window) until their turn, or until the replay is over
+// and fill() admits what is left, first.
+template <class In>
+struct ReplayInputs {
+  struct Pending {
+    std::optional<In> item;
+    std::exception_ptr error;  // upstream's, thrown at the input's turn
+    uint64_t position = 0;
+  };
+  std::map<uint64_t, Pending> ahead;
+
+  // Pulls until input `wanted` (order.next_saved()) has come and returns it,
+  // removed. `inputs` counts upstream's outputs pulled this pass, failures
+  // included; pull() returns the next (nullopt at the end) and position()
+  // its position. Inputs the saved order drops are not kept. StateError
+  // when upstream ends before `wanted` or the order names it twice.
+  template <class Pull, class Position>
+  Pending take(uint64_t wanted, uint64_t& inputs, const CompletionOrder& order, const std::string& node, Pull&& pull,
+               Position&& position) {
+    while (inputs <= wanted) {
+      const uint64_t input = inputs;
+      Pending pending;
+      try {
+        pending.item = pull();
+        if (!pending.item) {
+          throw StateError("load_state: " + node + "'s input " + std::to_string(wanted) +
+                           " was handed out before the state was taken, but upstream ends before it now");
+        }
+      } catch (const StateError&) {
+        throw;
+      } catch (...) {
+        pending.error = std::current_exception();
+      }
+      ++inputs;
+      pending.position = position();
+      if (!order.dropped(input)) ahead.emplace(input, std::move(pending));
+    }
+    auto it = ahead.find(wanted);
+    if (it == ahead.end()) {
+      throw StateError("load_state: " + node + "'s saved order names input " + std::to_string(wanted) + " twice");
+    }
+    Pending pending = std::move(it->second);
+    ahead.erase(it);
+    return pending;
+  }
 };
 
 }  // namespace conveyor::detail

@@ -443,7 +443,7 @@ class AsyncMap : public Stage<In, Out> {
   void start_pass() override {
     upstream_done_ = false;
     inputs_ = 0;
-    pending_.clear();
+    replay_inputs_.ahead.clear();
     occupancy_takes_.clear();
     occupancy_sum_.clear();
     busy_ns_.clear();
@@ -472,8 +472,9 @@ class AsyncMap : public Stage<In, Out> {
   // that it is thrown at its place.
   void fill(bool blocking) {
     // What a replay pulled ahead of its turn goes first, in input order.
-    while (!pending_.empty() && has_room()) {
-      auto first = pending_.begin();
+    auto& ahead = replay_inputs_.ahead;
+    while (!ahead.empty() && has_room()) {
+      auto first = ahead.begin();
       if (first->second.error) {
         const uint32_t index = claim();
         upstream_error_[index] = first->second.error;
@@ -482,9 +483,9 @@ class AsyncMap : public Stage<In, Out> {
       } else {
         start(std::move(*first->second.item), first->first, first->second.position);
       }
-      pending_.erase(first);
+      ahead.erase(first);
     }
-    if (!pending_.empty()) return;
+    if (!ahead.empty()) return;
     while (!upstream_done_ && has_room()) {
       std::optional<In> item;
       const uint64_t input = inputs_;
@@ -522,34 +523,12 @@ class AsyncMap : public Stage<In, Out> {
   // takes again by pulling (a filter, say): they come in the saved order,
   // each started alone when its turn comes and waited for (nothing else is
   // in flight until the replay is over). Inputs pulled before their turn
-  // wait in pending_; fill() starts them first afterwards. True with an
+  // wait in replay_inputs_; fill() starts them first afterwards. True with an
   // item in `out`; false for one dropped under OnError::skip.
   bool replay(std::optional<Out>& out) {
     const uint64_t wanted = order_.next_saved();
-    while (inputs_ <= wanted) {
-      const uint64_t input = inputs_;
-      Pending pending;
-      try {
-        pending.item = this->pull();
-        if (!pending.item) {
-          throw StateError("load_state: " + name() + "'s input " + std::to_string(wanted) +
-                           " was handed out before the state was taken, but upstream ends before it now");
-        }
-      } catch (const StateError&) {
-        throw;
-      } catch (...) {
-        pending.error = std::current_exception();
-      }
-      ++inputs_;
-      pending.position = this->position();
-      if (!order_.dropped(input)) pending_.emplace(input, std::move(pending));
-    }
-    auto it = pending_.find(wanted);
-    if (it == pending_.end()) {
-      throw StateError("load_state: " + name() + "'s saved order names input " + std::to_string(wanted) + " twice");
-    }
-    Pending pending = std::move(it->second);
-    pending_.erase(it);
+    auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
+                                       [this] { return this->position(); });
     if (pending.error) {
       order_.handed_out(wanted);
       std::rethrow_exception(pending.error);  // upstream's, named there
@@ -725,12 +704,7 @@ class AsyncMap : public Stage<In, Out> {
   // in_order = false: the order inputs were handed out in, and a resumed
   // pass's saved one; what a replay pulled before its turn (by input).
   conveyor::detail::CompletionOrder order_;
-  struct Pending {
-    std::optional<In> item;
-    std::exception_ptr error;
-    uint64_t position = 0;
-  };
-  std::map<uint64_t, Pending> pending_;
+  conveyor::detail::ReplayInputs<In> replay_inputs_;
   std::vector<std::exception_ptr> upstream_error_;  // by slot: an upstream error holding the place
   std::vector<uint32_t> free_;                      // out of order: free slots
   std::deque<uint32_t> ready_;                      // out of order: delivered, not yet taken

@@ -151,7 +151,7 @@ class ParallelMap final
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
     executor_.join(walk, options_.workers);
-    pending_.clear();
+    replay_inputs_.ahead.clear();
     order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
   }
 
@@ -253,8 +253,9 @@ class ParallelMap final
   // pass: the error and every item after it were lost.)
   void fill() {
     // What a replay pulled ahead of its turn goes first, in input order.
-    while (!pending_.empty() && !upstream_error_ && window().has_room()) {
-      auto first = pending_.begin();
+    auto& ahead = replay_inputs_.ahead;
+    while (!ahead.empty() && !upstream_error_ && window().has_room()) {
+      auto first = ahead.begin();
       if (first->second.error) {
         upstream_error_ = first->second.error;
         upstream_error_input_ = first->first;
@@ -264,9 +265,9 @@ class ParallelMap final
         window().next_payload().input = first->first;
         window().submit();
       }
-      pending_.erase(first);
+      ahead.erase(first);
     }
-    while (pending_.empty() && !upstream_done_ && !upstream_error_ && window().has_room()) {
+    while (ahead.empty() && !upstream_done_ && !upstream_error_ && window().has_room()) {
       std::optional<In> item;
       const uint64_t input = inputs_;
       try {
@@ -300,35 +301,13 @@ class ParallelMap final
   // A resumed pass with in_order = false whose outputs a node downstream
   // takes again by pulling (a filter, say): they come in the saved order,
   // each made on this thread when its turn comes. Inputs pulled before
-  // their turn wait in pending_ (as many as the saved order was ahead of
+  // their turn wait in replay_inputs_ (as many as the saved order was ahead of
   // input order: at most a window); fill() submits what is left of them
   // first once the replay is over. True with an item in `out`.
   bool replay(std::optional<Out>& out) {
     const uint64_t wanted = order_.next_saved();
-    while (inputs_ <= wanted) {
-      const uint64_t input = inputs_;
-      Pending pending;
-      try {
-        pending.item = this->pull();
-        if (!pending.item) {
-          throw StateError("load_state: " + name() + "'s input " + std::to_string(wanted) +
-                           " was handed out before the state was taken, but upstream ends before it now");
-        }
-      } catch (const StateError&) {
-        throw;
-      } catch (...) {
-        pending.error = std::current_exception();
-      }
-      ++inputs_;
-      pending.position = this->position();
-      if (!order_.dropped(input)) pending_.emplace(input, std::move(pending));
-    }
-    auto it = pending_.find(wanted);
-    if (it == pending_.end()) {
-      throw StateError("load_state: " + name() + "'s saved order names input " + std::to_string(wanted) + " twice");
-    }
-    Pending pending = std::move(it->second);
-    pending_.erase(it);
+    auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
+                                       [this] { return this->position(); });
     order_.handed_out(wanted);
     if (pending.error) std::rethrow_exception(pending.error);  // upstream's, named there
     conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, pending.position));
@@ -394,12 +373,7 @@ class ParallelMap final
   // a resumed pass's saved one.
   conveyor::detail::CompletionOrder order_;
   // Pulled during a replay before their turn, by input.
-  struct Pending {
-    std::optional<In> item;
-    std::exception_ptr error;
-    uint64_t position = 0;
-  };
-  std::map<uint64_t, Pending> pending_;
+  conveyor::detail::ReplayInputs<In> replay_inputs_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts

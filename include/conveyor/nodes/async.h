@@ -168,11 +168,15 @@ class AsyncWindow {
     // below sees the node parked. Only the delivery the node waits for
     // wakes it, so a burst of deliveries costs one system call, not one each.
     std::atomic_thread_fence(std::memory_order_seq_cst);  // (D)
-    // relaxed: ordered by (D); the compare-exchange decides which completer
-    // wakes the node.
+    // The load: relaxed, ordered by (D). The compare-exchange decides which
+    // completer wakes the node; seq_cst on success so that its store is not
+    // reordered after libstdc++'s read of the waiter count in notify_one()
+    // (on aarch64 a relaxed store may pass that load-acquire: the node would
+    // then sleep on with its word cleared and no wake sent). relaxed on
+    // failure: another completer wakes it.
     uint32_t parked = parked_.load(std::memory_order_relaxed);
     if (parked != kNotParked && (parked == kAwaitAny || parked == index + 1) &&
-        parked_.compare_exchange_strong(parked, kNotParked, std::memory_order_relaxed)) {
+        parked_.compare_exchange_strong(parked, kNotParked, std::memory_order_seq_cst, std::memory_order_relaxed)) {
       parked_.notify_one();
     }
     return true;

@@ -797,7 +797,8 @@ int main(int argc, char** argv) {
       job.local_shards = [shards] {
         std::string names;
         for (const std::string& shard : shards->shards_for(nullptr)) {
-          names += (names.empty() ? "" : ",") + std::filesystem::path(shard).filename().string();
+          if (!names.empty()) names += ',';
+          names += std::filesystem::path(shard).filename().string();
         }
         return names;
       };

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "conveyor/detail/check.h"
+#include "conveyor/detail/cpu_relax.h"
 #include "conveyor/errors.h"
 #include "conveyor/warnings.h"
 
@@ -74,14 +75,6 @@ using Clock = std::chrono::steady_clock;
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
       .count();
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
 }
 
 // ---- ThreadSanitizer and TBB -------------------------------------------------

@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "conveyor/data_error.h"
+#include "conveyor/detail/cpu_relax.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/decision_log.h"
 #include "conveyor/nodes/stage.h"
@@ -82,14 +83,6 @@ struct AsyncOptions {
 };
 
 namespace detail {
-
-inline void cpu_pause() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 // One pass's window, shared by the node and every completion it handed out
 // (so that a completion may outlive the pass and the node).
@@ -234,7 +227,7 @@ class AsyncWindow {
     const auto spin_end = std::chrono::steady_clock::now() + kSpin;
     for (uint32_t spin = 1;; ++spin) {
       if (ready()) return;
-      cpu_pause();
+      conveyor::detail::cpu_relax();
       if (spin % 64 == 0 && std::chrono::steady_clock::now() >= spin_end) break;
     }
     while (true) {

@@ -17,6 +17,7 @@
 #include <new>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -75,7 +76,10 @@ class TarSource {
   // becomes libarchive's error (a stream's DataError names its URL).
   static la_ssize_t read_callback(struct archive* archive, void* self, const void** block) {
     try {
-      return static_cast<TarSource*>(self)->read(archive, block);
+      const uint8_t* bytes = nullptr;
+      const size_t count = static_cast<TarSource*>(self)->next_block(&bytes);
+      *block = bytes;
+      return static_cast<la_ssize_t>(count);
     } catch (const std::bad_alloc&) {
       archive_set_error(archive, ENOMEM, "out of memory while reading");
     } catch (const std::exception& error) {
@@ -86,20 +90,16 @@ class TarSource {
     return ARCHIVE_FATAL;
   }
 
-  // An upper bound on any member's size, when the source's size is known.
-  std::optional<uint64_t> size() const { return stream_ ? stream_->size() : size_; }
-
-  // True when the stream ended exactly where libarchive stopped consuming
-  // (`consumed` bytes) and its last block is not an end-of-archive block.
-  bool ends_mid_archive(int64_t consumed) const {
-    if (!exhausted_ || delivered_ == 0 || consumed < 0) return false;
-    if (static_cast<uint64_t>(consumed) != delivered_) return false;
-    return std::any_of(tail_.begin(), tail_.begin() + static_cast<std::ptrdiff_t>(tail_size_),
-                       [](uint8_t byte) { return byte != 0; });
-  }
-
- private:
-  la_ssize_t read(struct archive* archive, const void** block) {
+  // The next block of the archive (0 bytes: its end), valid until the next
+  // call. A failed read throws, its text naming the reason.
+  size_t next_block(const uint8_t** block) {
+    if (given_back_) {
+      // Already counted when first read: handed out as they are.
+      handed_back_ = std::move(*given_back_);
+      given_back_.reset();
+      *block = handed_back_.data();
+      return handed_back_.size();
+    }
     size_t count = 0;
     if (stream_) {
       count = stream_->read(file_buffer_);
@@ -109,12 +109,7 @@ class TarSource {
       do {
         got = ::read(fd_, file_buffer_.data(), file_buffer_.size());
       } while (got < 0 && errno == EINTR);
-      if (got < 0) {
-        const int error_number = errno;
-        archive_set_error(archive, error_number, "read failed: %s",
-                          os_reason(error_number).c_str());
-        return ARCHIVE_FATAL;
-      }
+      if (got < 0) throw std::runtime_error("read failed: " + os_reason(errno));
       count = static_cast<size_t>(got);
       *block = file_buffer_.data();
     } else {
@@ -122,10 +117,32 @@ class TarSource {
       *block = memory_.data() + memory_offset_;
       memory_offset_ += count;
     }
-    remember(static_cast<const uint8_t*>(*block), count);
-    return static_cast<la_ssize_t>(count);
+    remember(*block, count);
+    return count;
   }
 
+  // Hands `bytes` (the unconsumed rest of what next_block() gave, copied)
+  // back: the next call returns them first. `consumed` is how many bytes of
+  // the archive came before them; ends_mid_archive() counts from there.
+  void give_back(std::vector<uint8_t> bytes, uint64_t consumed) {
+    given_back_ = std::move(bytes);
+    consumed_before_ = consumed;
+  }
+
+  // An upper bound on any member's size, when the source's size is known.
+  std::optional<uint64_t> size() const { return stream_ ? stream_->size() : size_; }
+
+  // True when the stream ended exactly where the reader stopped consuming
+  // (`consumed` bytes since the last give_back(), libarchive's count) and
+  // its last block is not an end-of-archive block.
+  bool ends_mid_archive(int64_t consumed) const {
+    if (!exhausted_ || delivered_ == 0 || consumed < 0) return false;
+    if (consumed_before_ + static_cast<uint64_t>(consumed) != delivered_) return false;
+    return std::any_of(tail_.begin(), tail_.begin() + static_cast<std::ptrdiff_t>(tail_size_),
+                       [](uint8_t byte) { return byte != 0; });
+  }
+
+ private:
   void remember(const uint8_t* bytes, size_t count) {
     if (count == 0) {
       exhausted_ = true;
@@ -151,6 +168,9 @@ class TarSource {
   size_t memory_offset_ = 0;
   uint64_t delivered_ = 0;
   bool exhausted_ = false;
+  std::optional<std::vector<uint8_t>> given_back_;  // handed out by the next next_block()
+  std::vector<uint8_t> handed_back_;                // what it handed out, alive until the call after
+  uint64_t consumed_before_ = 0;                    // of the archive, before what was given back
   std::array<uint8_t, kTarBlockBytes> tail_{};
   size_t tail_size_ = 0;
 };

@@ -2,10 +2,14 @@
 // TarShardDataset reads a file. conveyor::Error is the expected answer to bad
 // input; any other exception, a crash, a leak or a broken invariant below is
 // a bug.
+#include <conveyor/data_error.h>
+#include <conveyor/nodes.h>
+#include <conveyor/nodes/files.h>
 #include <conveyor/tar_shards.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -43,6 +47,30 @@ void check_samples(const std::vector<conveyor::ShardSample>& samples, size_t siz
   if (payload > size) __builtin_trap();
 }
 
+// What untar makes of the input with one reader: members and the places of
+// errors (their texts end in libarchive's words, which may differ).
+std::vector<std::string> untar_trace(std::span<const uint8_t> bytes, conveyor::nodes::TarReader reader) {
+  namespace nodes = conveyor::nodes;
+  nodes::UntarOptions options;
+  options.reader = reader;
+  auto pipeline = nodes::from_vector(std::vector<nodes::FileBytes>{
+                      nodes::FileBytes{"fuzz.tar", std::vector<uint8_t>(bytes.begin(), bytes.end())}}) |
+                  nodes::untar(options);
+  std::vector<std::string> events;
+  auto pass = pipeline.pass();
+  while (true) {
+    try {
+      std::optional<nodes::TarMember> member = pass.next();
+      if (!member) return events;
+      events.push_back("member " + member->name + " " +
+                       std::string(member->bytes.begin(), member->bytes.end()));
+    } catch (const conveyor::DataError& error) {
+      const std::string what = error.what();
+      events.push_back("error " + error.member() + " " + what.substr(0, what.rfind(": ")));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -77,6 +105,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint64_t sample_bytes = 0;
     for (const auto& [field, field_bytes] : sample.fields) sample_bytes += field_bytes.size();
     if (sample_bytes > kSmallLimit) __builtin_trap();
+  }
+  // conveyor's plain tar reader reads what libarchive reads, failures
+  // included (plain_tar.h).
+  if (untar_trace(bytes, conveyor::nodes::TarReader::automatic) !=
+      untar_trace(bytes, conveyor::nodes::TarReader::libarchive)) {
+    __builtin_trap();
   }
   return 0;
 }

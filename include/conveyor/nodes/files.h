@@ -62,6 +62,17 @@ struct ReadFilesOptions {
 // Pipeline<std::string> -> Pipeline<FileBytes>.
 std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFilesOptions options = {});
 
+// Who reads a tar's headers. Either way untar yields the same members and
+// the same errors in the same places.
+enum class TarReader {
+  // conveyor's reader for plain ustar and GNU headers (regular files,
+  // directories, links to skip), libarchive from the first other header on
+  // (pax or GNU extensions, hard links, sparse members, old formats).
+  automatic,
+  // libarchive for every header: slower per member.
+  libarchive,
+};
+
 struct UntarOptions {
   // The most bytes one member may hold (0: no limit). A larger member is
   // refused from its header, before its data is read; the archive goes on.
@@ -72,6 +83,7 @@ struct UntarOptions {
   // Paths go through it first (http_opener() streams http(s):// URLs); a
   // path it declines is read as a local file.
   StreamOpener open = {};
+  TarReader reader = TarReader::automatic;
 };
 // Pipeline<FileBytes> or Pipeline<std::string> (paths) -> Pipeline<TarMember>.
 struct UntarAdaptor {

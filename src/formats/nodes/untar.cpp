@@ -17,6 +17,7 @@
 
 #include "conveyor/nodes/files.h"
 #include "conveyor/nodes/stage.h"
+#include "../plain_tar.h"
 #include "../tar_source.h"
 #include "tar_members.h"
 
@@ -49,7 +50,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
 
   std::optional<TarMember> produce() override {
     while (true) {
-      if (!archive_) {
+      if (!archive_ && !plain_) {
         std::optional<Input> input = next_input();
         if (!input) return std::nullopt;
         try {
@@ -110,12 +111,27 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
     if (!problem.empty()) throw DataError(problem, current_.path);
     start_reading();
   }
-  // The archive reads through the source, which tells a tar cut short at a
-  // member boundary (libarchive takes it for a whole one) from a whole tar.
+  // The plain reader takes the archive first (plain_tar.h); libarchive
+  // takes it from the first header the plain reader leaves to it, or from
+  // the start with TarReader::libarchive.
   void start_reading() {
+    if (options_.reader == TarReader::automatic) {
+      plain_.emplace(*source_);
+    } else {
+      start_libarchive(/*from_start=*/true);
+    }
+  }
+  // libarchive reads through the source, which tells a tar cut short at a
+  // member boundary (libarchive takes it for a whole one) from a whole tar.
+  // Mid-archive, the format is set rather than detected: detection wants an
+  // archive's first header, and would refuse what libarchive reads well
+  // after one.
+  void start_libarchive(bool from_start) {
     archive_.reset(archive_read_new());
     if (!archive_) throw DataError("cannot allocate a libarchive reader", current_.path);
-    if (archive_read_support_format_tar(archive_.get()) != ARCHIVE_OK) {
+    const int status = from_start ? archive_read_support_format_tar(archive_.get())
+                                  : archive_read_set_format(archive_.get(), ARCHIVE_FORMAT_TAR);
+    if (status != ARCHIVE_OK) {
       throw DataError("cannot enable tar reading: " + archive_reason(archive_.get()), current_.path);
     }
     if (archive_read_open(archive_.get(), source_.get(), nullptr, &conveyor::detail::TarSource::read_callback,
@@ -155,6 +171,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   }
 
   void close() noexcept {
+    plain_.reset();
     archive_.reset();  // before the source it reads from
     source_.reset();
     current_.bytes = {};
@@ -188,19 +205,18 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
 
   std::optional<TarMember> read_member() {
     while (true) {
+      if (plain_) {
+        std::optional<std::optional<TarMember>> member = read_plain_member();
+        if (member) return std::move(*member);
+        continue;  // libarchive has the rest of the archive
+      }
       struct archive_entry* entry = nullptr;
       const int status = archive_read_next_header(archive_.get(), &entry);
       if (status == ARCHIVE_EOF) {
-        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) {
-          throw DataError("truncated tar: the shard stops after a member, without the end-of-archive blocks",
-                          current_.path, last_member_);
-        }
+        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) throw cut_at_member_boundary();
         return std::nullopt;
       }
-      if (!succeeded(status)) {
-        throw DataError("truncated or corrupt tar header" + after_last_member() + ": " + archive_reason(archive_.get()),
-                        current_.path);
-      }
+      if (!succeeded(status)) throw corrupt_header(archive_reason(archive_.get()));
       // Directories, links and devices carry no sample data (WebDataset
       // skips them too); libarchive skips their data at the next header.
       if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) continue;
@@ -211,21 +227,81 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       const int64_t declared_signed = archive_entry_size_is_set(entry) ? archive_entry_size(entry) : 0;
       const auto declared = static_cast<uint64_t>(std::max<int64_t>(declared_signed, 0));
       if (archive_entry_sparse_count(entry) > 0) refuse("sparse tar members are not supported", last_member_);
-      if (gate_ != nullptr) {
-        try {
-          if (gate_->admit(current_.path, last_member_, declared) == detail::Admission::skip) continue;
-        } catch (const DataError&) {
-          member_refused_ = true;
-          throw;
-        }
-      }
-      if (declared > limit()) {
-        refuse("the member declares " + std::to_string(declared) + " bytes, more than untar's max_member_bytes " +
-                   std::to_string(options_.max_member_bytes),
-               last_member_);
-      }
+      if (!admit(declared)) continue;  // libarchive skips its data at the next header
       return TarMember{current_.path, last_member_, read_data(declared)};
     }
+  }
+
+  // The plain reader's next member; an empty optional when it hands the
+  // rest of the archive to libarchive. Its failures are libarchive's, in
+  // the same words and places.
+  std::optional<std::optional<TarMember>> read_plain_member() {
+    using Next = conveyor::detail::PlainTarReader::Next;
+    while (true) {
+      Next next = Next::end;
+      try {
+        next = plain_->next();
+      } catch (const conveyor::detail::PlainTarFailure& failure) {
+        throw corrupt_header(failure.what());
+      }
+      if (next == Next::end) {
+        if (source_->ends_mid_archive(static_cast<int64_t>(plain_->consumed()))) throw cut_at_member_boundary();
+        return std::optional<TarMember>();
+      }
+      if (next == Next::hand_over) {
+        const bool from_start = plain_->at_start();
+        plain_->hand_over();
+        plain_.reset();
+        start_libarchive(from_start);
+        return std::nullopt;
+      }
+      last_member_ = plain_->name();
+      const uint64_t declared = plain_->size();
+      if (!admit(declared)) continue;  // skipped at the next header
+      std::vector<uint8_t> bytes;
+      bytes.reserve(reserved_for(declared));
+      try {
+        plain_->read_data(bytes);
+      } catch (const conveyor::detail::PlainTarFailure& failure) {
+        throw DataError(std::string("cannot read member data: ") + failure.what(), current_.path, last_member_);
+      }
+      return TarMember{current_.path, last_member_, std::move(bytes)};
+    }
+  }
+
+  // The member just named (last_member_), declaring `declared` bytes: read
+  // it (true), skip it (false), or refuse it (throws). Its data is unread
+  // either way.
+  bool admit(uint64_t declared) {
+    if (gate_ != nullptr) {
+      try {
+        if (gate_->admit(current_.path, last_member_, declared) == detail::Admission::skip) return false;
+      } catch (const DataError&) {
+        member_refused_ = true;
+        throw;
+      }
+    }
+    if (declared > limit()) {
+      refuse("the member declares " + std::to_string(declared) + " bytes, more than untar's max_member_bytes " +
+                 std::to_string(options_.max_member_bytes),
+             last_member_);
+    }
+    return true;
+  }
+
+  DataError cut_at_member_boundary() const {
+    return DataError("truncated tar: the shard stops after a member, without the end-of-archive blocks",
+                     current_.path, last_member_);
+  }
+  DataError corrupt_header(const std::string& reason) const {
+    return DataError("truncated or corrupt tar header" + after_last_member() + ": " + reason, current_.path);
+  }
+
+  // The header's size is only a hint: a corrupt one could claim terabytes,
+  // more than the file holds (a sparse file holds terabytes of zeros).
+  size_t reserved_for(uint64_t declared) const {
+    return static_cast<size_t>(
+        std::min<uint64_t>({declared, source_->size().value_or(conveyor::detail::kTarReadBlockBytes), limit()}));
   }
 
   uint64_t limit() const {
@@ -234,10 +310,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
 
   std::vector<uint8_t> read_data(uint64_t declared) {
     std::vector<uint8_t> bytes;
-    // The header's size is only a hint: a corrupt one could claim terabytes,
-    // more than the file holds (a sparse file holds terabytes of zeros).
-    bytes.reserve(static_cast<size_t>(
-        std::min<uint64_t>({declared, source_->size().value_or(conveyor::detail::kTarReadBlockBytes), limit()})));
+    bytes.reserve(reserved_for(declared));
     while (true) {
       const void* block = nullptr;
       size_t size = 0;
@@ -273,6 +346,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   FileBytes current_;            // the archive's path, and its bytes when it came as bytes
   std::string last_member_;
   std::unique_ptr<conveyor::detail::TarSource> source_;  // not movable: archive_ points at it
+  std::optional<conveyor::detail::PlainTarReader> plain_;  // reads the archive until it hands it to archive_
   std::unique_ptr<struct archive, ArchiveFree> archive_;
 };
 

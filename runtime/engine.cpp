@@ -18,7 +18,9 @@
 // they may wrap; a slot's previous turn (seq - k*window + 1) can never equal
 // the awaited one while window < 2^64.
 //
-// Parking: the consumer spins briefly, then parks on a LightweightSemaphore.
+// Parking: the consumer spins briefly (up to 50 µs when every engine's
+// workers and a consumer fit the cores, else 256 pauses), then parks on a
+// LightweightSemaphore.
 // It says which slot it waits for (`awaited_slot`, or any) and raises
 // `consumer_parked` before its last check; a worker signals after publishing
 // only if that flag is up and its slot is the awaited one. Two seq_cst fences

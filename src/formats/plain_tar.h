@@ -146,6 +146,7 @@ class PlainTarReader {
   static constexpr size_t kPrefixOffset = 345;
   static constexpr size_t kPrefixLength = 155;
   static constexpr size_t kGnuSparseOffset = 386;  // sparse[0].offset[0]
+  static constexpr size_t kGnuExtendedOffset = 482;  // isextended
   static constexpr size_t kGnuRealSizeOffset = 483;
 
   // libarchive's tar_atol8: blanks, then octal digits up to the first other
@@ -212,12 +213,18 @@ class PlainTarReader {
     const bool gnu = gnu_magic(header);
     if (!gnu && std::memcmp(header + kMagicOffset, "ustar", 5) != 0) return Kind::other;  // pre-POSIX
     if (at_start() && !looks_like_tar_to_libarchive(header)) return Kind::other;
+    // libarchive checks the size of every entry, whatever its type (a
+    // negative or base-256 one may end the archive), and reads GNU's old
+    // sparse map (and the blocks that extend it) for every type too.
+    if (!plain_number(header + kSizeOffset, kSizeLength)) return Kind::other;
+    if (gnu && (header[kGnuSparseOffset] != 0 || header[kGnuExtendedOffset] != 0 ||
+                header[kGnuRealSizeOffset] != 0)) {
+      return Kind::other;
+    }
     switch (header[kTypeOffset]) {
       case '0':
       case '\0':
       case '7':  // contiguous file: a regular file to every reader
-        if (!plain_number(header + kSizeOffset, kSizeLength)) return Kind::other;
-        if (gnu && (header[kGnuSparseOffset] != 0 || header[kGnuRealSizeOffset] != 0)) return Kind::other;
         return Kind::regular;
       case '2':  // symlink
       case '3':  // character device

@@ -46,6 +46,12 @@ inline constexpr size_t kTarBlockBytes = 512;
 // handed out and the last 512 of them: libarchive accepts a tar that stops at
 // a member boundary without its end-of-archive blocks, and these tell such a
 // truncated shard from one that ends properly.
+// A file's read() failed: its reason, and errno for libarchive.
+struct ReadFailure : std::runtime_error {
+  ReadFailure(const std::string& what, int error) : std::runtime_error(what), error_number(error) {}
+  int error_number;
+};
+
 class TarSource {
  public:
   explicit TarSource(std::span<const uint8_t> bytes) : size_(bytes.size()), memory_(bytes) {}
@@ -82,6 +88,8 @@ class TarSource {
       return static_cast<la_ssize_t>(count);
     } catch (const std::bad_alloc&) {
       archive_set_error(archive, ENOMEM, "out of memory while reading");
+    } catch (const ReadFailure& failure) {
+      archive_set_error(archive, failure.error_number, "%s", failure.what());
     } catch (const std::exception& error) {
       archive_set_error(archive, EIO, "%s", error.what());
     } catch (...) {
@@ -100,6 +108,12 @@ class TarSource {
       *block = handed_back_.data();
       return handed_back_.size();
     }
+    if (exhausted_) {
+      // As libarchive alone does: nothing is read after the end (a growing
+      // file, or a stream read again, would otherwise give more).
+      *block = nullptr;
+      return 0;
+    }
     size_t count = 0;
     if (stream_) {
       count = stream_->read(file_buffer_);
@@ -109,7 +123,10 @@ class TarSource {
       do {
         got = ::read(fd_, file_buffer_.data(), file_buffer_.size());
       } while (got < 0 && errno == EINTR);
-      if (got < 0) throw std::runtime_error("read failed: " + os_reason(errno));
+      if (got < 0) {
+        const int error_number = errno;
+        throw ReadFailure("read failed: " + os_reason(error_number), error_number);
+      }
       count = static_cast<size_t>(got);
       *block = file_buffer_.data();
     } else {

@@ -39,8 +39,10 @@ struct Header {
   uint64_t size = 0;
   Magic magic = Magic::ustar;
   bool signed_checksum = false;  // as old BSD and Solaris tars summed
-  int size_style = 0;            // 0 "%011o\0", 1 blank-led, 2 base-256
+  int size_style = 0;            // 0 "%011o\0", 1 blank-led, 2 base-256, 3 negative
   std::string link;
+  std::string gnu_sparse_offset;  // GNU's old sparse map: its first offset
+  bool gnu_extended = false;      // GNU's isextended: sparse map blocks follow
 };
 
 void put(Bytes& block, size_t offset, const std::string& text, size_t length) {
@@ -67,7 +69,9 @@ Bytes header_block(const Header& h) {
   put(block, 108, "0001750", 8);
   put(block, 116, "0001750", 8);
   char number[16];
-  if (h.size_style == 2) {
+  if (h.size_style == 3) {
+    put(block, 124, "-0000000007", 12);
+  } else if (h.size_style == 2) {
     block[124] = 0x80;  // base-256, big-endian in the last 8 bytes
     for (int i = 0; i < 8; ++i) block[124 + 11 - i] = static_cast<uint8_t>(h.size >> (8 * i));
   } else {
@@ -83,6 +87,8 @@ Bytes header_block(const Header& h) {
     put(block, 345, h.prefix, 155);
   } else if (h.magic == Magic::gnu) {
     put(block, 257, std::string("ustar  \0", 8), 8);
+    put(block, 386, h.gnu_sparse_offset, 12);
+    block[482] = h.gnu_extended ? 1 : 0;
   }
   if (h.magic != Magic::old) {
     put(block, 265, "user", 32);
@@ -125,7 +131,7 @@ Bytes random_archive(std::mt19937_64& rng) {
     const int sizes[] = {0, 1, 511, 512, 513, 1000, 70000};
     h.size = static_cast<uint64_t>(chance(90) ? sizes[pick(6)] : sizes[6]);
     h.type = "0\0" "07"[pick(3)];
-    switch (pick(14)) {
+    switch (pick(16)) {
       case 0: h.type = '5'; h.name = "dir" + std::to_string(m) + "/"; h.size = chance(50) ? 0 : 100; break;
       case 1: h.type = '2'; h.link = "target"; h.size = 0; break;
       case 2: h.type = '1'; h.link = "dir/0.jpg"; break;  // a hard link: libarchive's own size rules
@@ -161,6 +167,16 @@ Bytes random_archive(std::mt19937_64& rng) {
       }
       case 9: h.name.clear(); break;
       case 10: h.type = '6'; h.size = 0; break;
+      case 11:  // a link or a device with a size libarchive refuses
+        h.type = "23456"[pick(5)];
+        h.size_style = chance(50) ? 3 : 2;
+        break;
+      case 12:  // GNU's old sparse map, on any type
+        h.magic = Magic::gnu;
+        if (chance(50)) h.type = "2356"[pick(4)];
+        h.gnu_sparse_offset = chance(50) ? "00000000001" : "-1";
+        h.gnu_extended = chance(50);
+        break;
       default: break;
     }
     const Bytes block = header_block(h);

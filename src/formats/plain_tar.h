@@ -19,10 +19,10 @@
 //     header's place, which the caller checks (TarSource::ends_mid_archive).
 //
 // Anything else, from that header on, is libarchive's: pax and GNU
-// extension headers, hard links, sparse and multi-volume members,
-// base-256 or negative numbers, old (pre-POSIX) headers, unnamed members,
-// regular members named with a trailing '/' (libarchive's versions
-// disagree on those).
+// extension headers, hard links, sparse and multi-volume members, GNU's
+// sparse fields on any type, base-256 or negative sizes on any type, old
+// (pre-POSIX) headers, unnamed members, and regular members named with a
+// trailing '/' (libarchive's versions disagree on those).
 // hand_over() gives libarchive the bytes from that header's first byte, so
 // the archive is read as if libarchive had read it all. At the archive's
 // first block the reader is stricter still (libarchive's format check:

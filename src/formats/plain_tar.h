@@ -114,7 +114,7 @@ class PlainTarReader {
       advance(count);
       unread_ -= count;
     }
-    skip_or_throw(std::exchange(padding_, 0), "Truncated tar archive");
+    skip(std::exchange(padding_, 0));
   }
 
   // After next() returned hand_over: the unread bytes, from the header
@@ -262,13 +262,12 @@ class PlainTarReader {
     header_in_place_ = false;
     if (!fill()) return nullptr;
     if (end_ - next_ >= static_cast<std::ptrdiff_t>(kTarBlockBytes)) {
-      header_ = next_;
+      const uint8_t* header = next_;
       header_bytes_ = kTarBlockBytes;
       header_in_place_ = true;
       advance(kTarBlockBytes);
-      return header_;
+      return header;
     }
-    header_ = staging_.data();
     while (header_bytes_ < kTarBlockBytes) {
       if (!fill()) return nullptr;
       const size_t count = std::min(kTarBlockBytes - header_bytes_, static_cast<size_t>(end_ - next_));
@@ -276,13 +275,12 @@ class PlainTarReader {
       header_bytes_ += count;
       advance(count);
     }
-    return header_;
+    return staging_.data();
   }
 
-  void skip(uint64_t count) { skip_or_throw(count, "Truncated tar archive"); }
-  void skip_or_throw(uint64_t count, const char* what) {
+  void skip(uint64_t count) {
     while (count > 0) {
-      if (!fill()) throw PlainTarFailure(what);
+      if (!fill()) throw PlainTarFailure("Truncated tar archive");
       const size_t step = static_cast<size_t>(std::min<uint64_t>(count, static_cast<uint64_t>(end_ - next_)));
       advance(step);
       count -= step;
@@ -316,7 +314,6 @@ class PlainTarReader {
   const uint8_t* end_ = nullptr;
   uint64_t consumed_ = 0;      // of the archive
   uint64_t header_start_ = 0;  // where the last header began
-  const uint8_t* header_ = nullptr;                 // the last header, in place or staged
   size_t header_bytes_ = 0;                         // how much of it the stream held
   bool header_in_place_ = false;                    // in the source's block, else in staging_
   std::array<uint8_t, kTarBlockBytes> staging_{};  // a header that straddles two blocks

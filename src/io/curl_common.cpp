@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
+
+#include <sys/socket.h>
 
 #include "conveyor/errors.h"
 
@@ -60,9 +63,36 @@ void validate(const nodes::HttpOptions& options, const std::string& who) {
   check_ms("backoff", options.backoff, true);
   check_ms("max_backoff", options.max_backoff, true);
   if (options.max_bytes == 0) fail("max_bytes should be at least 1");
+  if (options.receive_buffer > kMaxReceiveBuffer) {
+    fail("receive_buffer should be in [0, " + std::to_string(kMaxReceiveBuffer) + "] bytes, but got " +
+         std::to_string(options.receive_buffer));
+  }
 }
 
+namespace {
+
+// CURLOPT_SOCKOPTFUNCTION: on each new connection's socket, before it
+// connects. The size travels in the callback's pointer, so no object has to
+// outlive the transfer. A refusal (an unprivileged request above rmem_max is
+// capped, not refused) leaves the kernel's default: a hint, not a failure.
+int set_receive_buffer(void* bytes, curl_socket_t socket, curlsocktype purpose) {
+  if (purpose == CURLSOCKTYPE_IPCXN) {
+    const int size = static_cast<int>(reinterpret_cast<intptr_t>(bytes));
+    (void)setsockopt(socket, SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
+  }
+  return CURL_SOCKOPT_OK;
+}
+
+}  // namespace
+
 bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept {
+  if (options.receive_buffer > 0) {
+    if (curl_easy_setopt(easy, CURLOPT_SOCKOPTFUNCTION, &set_receive_buffer) != CURLE_OK ||
+        curl_easy_setopt(easy, CURLOPT_SOCKOPTDATA,
+                         reinterpret_cast<void*>(static_cast<intptr_t>(options.receive_buffer))) != CURLE_OK) {
+      return false;
+    }
+  }
   bool ok = curl_easy_setopt(easy, CURLOPT_NOSIGNAL, 1L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options.connect_timeout.count())) ==
                 CURLE_OK &&

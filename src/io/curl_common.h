@@ -6,6 +6,7 @@
 #include <curl/curl.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 #include "conveyor/nodes/http.h"
@@ -21,11 +22,15 @@ bool retryable(CURLcode code) noexcept;
 // Before retry k (k = 1, 2, ...): min(backoff x 2^(k-1), max_backoff).
 std::chrono::milliseconds backoff(const nodes::HttpOptions& options, int retry) noexcept;
 
+// HttpOptions::receive_buffer's bound: what a setsockopt int holds once
+// Linux has doubled it.
+inline constexpr uint64_t kMaxReceiveBuffer = uint64_t{1} << 30;
+
 // Throws ValueError naming `who` and the option out of range.
 void validate(const nodes::HttpOptions& options, const std::string& who);
 
 // Timeouts, http(s) only (redirects too), redirects followed, no signals,
-// the user agent. False when libcurl refused one (out of memory).
+// the user agent, the receive buffer of new connections. False when libcurl refused one (out of memory).
 bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept;
 
 }  // namespace conveyor::io::detail

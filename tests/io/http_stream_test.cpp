@@ -202,6 +202,13 @@ TEST_F(HttpShardTest, AClosedConnectionIsRetriedThenReported) {
 TEST(HttpOpenerOptions, OutOfRangeIsAValueError) {
   EXPECT_THROW(http_opener({.retries = -1}), ValueError);
   EXPECT_THROW(http_opener({.max_bytes = 0}), ValueError);
+  try {
+    http_opener({.receive_buffer = (uint64_t{1} << 30) + 1});
+    ADD_FAILURE() << "a receive buffer over 1 GiB was taken";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(), "http_opener: receive_buffer should be in [0, 1073741824] bytes, but got 1073741825");
+  }
+  EXPECT_NO_THROW(http_opener({.receive_buffer = 0}));  // the kernel's autotuning
   // Not a URL: declined, read as a local file by the caller.
   EXPECT_EQ(http_opener()("/data/part-000000.tar"), nullptr);
 }

@@ -1405,6 +1405,47 @@ TEST(TarNodes, GroupByKeyChecksSamplesTheSameWhereverItStands) {
   EXPECT_EQ(errors, expected.errors);
 }
 
+// Keys are remembered per archive (hundreds of them, past the key set's
+// growth) and forgotten at the next; each sample names its own archive,
+// straight after untar (whose members then carry no archive: group_by_key
+// learns it from the gate) as behind another node.
+TEST(TarNodes, GroupByKeyRemembersEveryKeyOfAnArchiveAndNamesEachSamplesArchive) {
+  TempDir dir;
+  const std::vector<std::string> paths{dir.file("first.tar"), dir.file("second.tar")};
+  constexpr int kSamples = 300;
+  for (const std::string& path : paths) {
+    UstarBuilder builder;
+    for (int i = 0; i < kSamples; ++i) {
+      char key[16];
+      std::snprintf(key, sizeof key, "%06d", i);
+      builder.file(std::string(key) + ".a", path).file(std::string(key) + ".cls", std::to_string(i));
+    }
+    if (path == paths[0]) builder.file("000007.a", "late");  // sample 300: key 000007 again
+    write_bytes(path, builder.bytes());
+  }
+  auto gated = nodes::from_vector(paths) | nodes::untar() | nodes::group_by_key();
+  auto behind_a_map = nodes::from_vector(paths) | nodes::untar() |
+                      nodes::map([](nodes::TarMember m) { return m; }) | nodes::group_by_key();
+  for (auto* pipeline : {&gated, &behind_a_map}) {
+    std::vector<std::string> errors;
+    std::map<std::string, int> per_archive;
+    auto pass = pipeline->pass();
+    while (true) {
+      try {
+        std::optional<ShardSample> sample = pass.next();
+        if (!sample) break;
+        ++per_archive[sample->shard];
+        const std::vector<uint8_t>& written = sample->fields.at("a");
+        EXPECT_EQ(std::string(written.begin(), written.end()), sample->shard) << sample->key;
+      } catch (const DataError& e) {
+        errors.push_back(e.file() + "|" + e.member() + "|" + std::to_string(e.sample()));
+      }
+    }
+    EXPECT_EQ(per_archive, (std::map<std::string, int>{{paths[0], kSamples}, {paths[1], kSamples}}));
+    EXPECT_EQ(errors, std::vector<std::string>{paths[0] + "|000007.a|300"});
+  }
+}
+
 // Straight after untar, the members of a refused sample are never read:
 // untar hands out only the members group_by_key keeps.
 TEST(TarNodes, GroupByKeyLeavesARefusedSamplesMembersUnread) {

@@ -1,10 +1,13 @@
 // group_by_key (conveyor/nodes/files.h): consecutive tar members of one key
 // as one ShardSample, checked as WebDataset's shards must be.
+#include <algorithm>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <string>
-#include <unordered_set>
+#include <string_view>
+#include <vector>
 #include <utility>
 
 #include "conveyor/nodes/files.h"
@@ -15,11 +18,11 @@ namespace conveyor::nodes {
 
 namespace detail {
 
-MemberName split_member_name(const std::string& name) {
+MemberName split_member_name(std::string_view name) {
   const size_t slash = name.rfind('/');
-  const size_t base = slash == std::string::npos ? 0 : slash + 1;
+  const size_t base = slash == std::string_view::npos ? 0 : slash + 1;
   const size_t dot = name.find('.', base);
-  if (dot == std::string::npos) return {name, "", false};
+  if (dot == std::string_view::npos) return {name, {}, false};
   MemberName split{name.substr(0, dot), name.substr(dot + 1), false};
   split.valid = dot > base && !split.field.empty();
   return split;
@@ -36,6 +39,55 @@ struct OpenSample {
   ShardSample sample;
   int64_t index = 0;  // within its archive
   uint64_t bytes = 0;
+};
+
+// The keys met in one archive. Open addressing in vectors that keep their
+// size, and their strings' capacity, from one archive to the next: once as
+// large as an archive's samples, a key costs no allocation (a node-based set
+// allocated one per sample, on the thread that feeds the workers).
+class KeySet {
+ public:
+  // False when `key` is there already.
+  bool insert(std::string_view key) {
+    if (2 * (size_ + 1) > keys_.size()) grow();
+    for (size_t slot = hash(key) & mask();; slot = (slot + 1) & mask()) {
+      if (!used_[slot]) {
+        used_[slot] = true;
+        keys_[slot].assign(key);
+        ++size_;
+        return true;
+      }
+      if (keys_[slot] == key) return false;
+    }
+  }
+  void clear() noexcept {
+    if (size_ == 0) return;
+    std::fill(used_.begin(), used_.end(), false);
+    size_ = 0;
+  }
+
+ private:
+  static size_t hash(std::string_view key) noexcept { return std::hash<std::string_view>{}(key); }
+  size_t mask() const noexcept { return keys_.size() - 1; }
+
+  // Doubles the slots (a power of two, at most half of them used).
+  void grow() {
+    std::vector<std::string> keys(std::max<size_t>(64, 2 * keys_.size()));
+    std::vector<bool> used(keys.size(), false);
+    for (size_t old = 0; old < keys_.size(); ++old) {
+      if (!used_[old]) continue;
+      size_t slot = hash(keys_[old]) & (keys.size() - 1);
+      while (used[slot]) slot = (slot + 1) & (keys.size() - 1);
+      used[slot] = true;
+      keys[slot] = std::move(keys_[old]);
+    }
+    keys_ = std::move(keys);
+    used_ = std::move(used);
+  }
+
+  std::vector<std::string> keys_;
+  std::vector<bool> used_;
+  size_t size_ = 0;
 };
 
 // A bad sample, whose other members are dropped.
@@ -59,8 +111,12 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
  public:
   GroupByKey(NodePtr<TarMember> upstream, GroupByKeyOptions options)
       : Stage(std::move(upstream)), options_(std::move(options)) {
-    // Straight after untar: sizes are checked from the headers (see MemberGate).
-    if (auto* untar = dynamic_cast<detail::GatedMembers*>(upstream_.get())) untar->set_gate(this);
+    // Straight after untar: sizes are checked from the headers, and the
+    // members' archive comes from admit() (see MemberGate).
+    if (auto* untar = dynamic_cast<detail::GatedMembers*>(upstream_.get())) {
+      untar->set_gate(this);
+      gated_ = true;
+    }
   }
 
   std::optional<ShardSample> produce() override {
@@ -83,13 +139,15 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         if (std::optional<ShardSample> sample = finish()) return sample;
         return std::nullopt;
       }
-      if (member->archive != archive_) {
+      // (A pending member is still the last one untar admitted.)
+      const std::string& member_archive = gated_ ? admitted_archive_ : member->archive;
+      if (member_archive != archive_) {
         if (open_) {
           pending_ = std::move(member);  // starts the next archive
           if (std::optional<ShardSample> sample = finish()) return sample;
           continue;
         }
-        start_archive(member->archive);
+        start_archive(member_archive);
       }
       const detail::MemberName name = detail::split_member_name(member->name);
       if (rejected_) {
@@ -118,6 +176,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     pending_.reset();
     error_ = nullptr;
     rejected_.reset();  // a sample refused last pass must not swallow this pass's members
+    admitted_archive_.clear();
     start_archive({});
   }
 
@@ -141,40 +200,46 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   }
 
   // A bad sample: its remaining members are dropped unread.
-  [[noreturn]] void reject(const std::string& what, const std::string& member_or_key, const std::string& key,
+  [[noreturn]] void reject(const std::string& what, const std::string& member_or_key, std::string_view key,
                            int64_t index) {
-    rejected_ = Rejected{archive_, key, index};
+    rejected_ = Rejected{archive_, std::string(key), index};
     open_.reset();
     throw DataError(what, archive_, member_or_key, index);
   }
 
-  void start_sample(const std::string& key, const std::string& member) {
+  void start_sample(std::string_view key, const std::string& member) {
     open_.emplace();
     open_->sample.key = key;
     open_->sample.shard = archive_;
     open_->index = next_index_++;
-    if (!seen_keys_.insert(key).second) {
-      reject("key '" + key + "' appears again: a sample's members must be consecutive in the shard", member, key,
-             open_->index);
+    if (!seen_keys_.insert(key)) {
+      reject("key '" + std::string(key) + "' appears again: a sample's members must be consecutive in the shard",
+             member, key, open_->index);
     }
   }
 
   void add(const detail::MemberName& name, TarMember&& member) {
     const int64_t index = open_->index;
-    if (!name.valid) reject("member name has no 'key.field' form (key '" + name.key + "')", member.name, name.key, index);
-    if (open_->sample.fields.contains(name.field)) {
-      reject("field '" + name.field + "' appears twice in sample '" + name.key + "'", member.name, name.key, index);
+    if (!name.valid) {
+      reject("member name has no 'key.field' form (key '" + std::string(name.key) + "')", member.name, name.key,
+             index);
+    }
+    // One lookup: a refused sample is dropped whole, the new field with it.
+    const auto [field, added] = open_->sample.fields.try_emplace(std::string(name.field));
+    if (!added) {
+      reject("field '" + std::string(name.field) + "' appears twice in sample '" + std::string(name.key) + "'",
+             member.name, name.key, index);
     }
     // Checked here too when untar is not straight upstream (no gate).
     if (member.bytes.size() > limit() - std::min(limit(), open_->bytes)) {
       reject(oversized(member.bytes.size(), name.key, open_->bytes), member.name, name.key, index);
     }
     open_->bytes += member.bytes.size();
-    open_->sample.fields.emplace(name.field, std::move(member.bytes));
+    field->second = std::move(member.bytes);
   }
 
-  std::string oversized(uint64_t member_bytes, const std::string& key, uint64_t before) const {
-    return "member of " + std::to_string(member_bytes) + " bytes takes sample '" + key + "' (" +
+  std::string oversized(uint64_t member_bytes, std::string_view key, uint64_t before) const {
+    return "member of " + std::to_string(member_bytes) + " bytes takes sample '" + std::string(key) + "' (" +
            std::to_string(before) + " bytes before it) over max_sample_bytes = " +
            std::to_string(options_.max_sample_bytes) + " (0 lifts the limit)";
   }
@@ -198,6 +263,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
 
   // untar asks before reading a member's data.
   detail::Admission admit(const std::string& archive, const std::string& member, uint64_t declared) override {
+    if (archive != admitted_archive_) admitted_archive_ = archive;
     const detail::MemberName name = detail::split_member_name(member);
     if (rejected_ && rejected_->archive == archive && rejected_->key == name.key) return detail::Admission::skip;
     const bool same_archive = archive == archive_;
@@ -216,7 +282,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     } else if (rejected_ && rejected_->archive == archive) {
       index = rejected_->index + 1;  // the next archive's samples, before any reached here
     }
-    rejected_ = Rejected{archive, name.key, index};
+    rejected_ = Rejected{archive, std::string(name.key), index};
     meter_.skipped.add(1);
     return detail::Admission::skip;
   }
@@ -241,7 +307,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         index = next_index_++;
         seen_keys_.insert(name.key);
       }
-      rejected_ = Rejected{error.file(), name.key, index};
+      rejected_ = Rejected{error.file(), std::string(name.key), index};
     } else if (same_archive && open_) {
       index = open_->index;  // the archive failed inside the open sample
       open_.reset();
@@ -256,7 +322,9 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
 
   GroupByKeyOptions options_;
   std::string archive_;  // of the members seen last
-  std::unordered_set<std::string> seen_keys_;
+  bool gated_ = false;   // straight after untar, whose members carry no archive
+  std::string admitted_archive_;  // the archive of untar's last member (gated_)
+  KeySet seen_keys_;
   int64_t next_index_ = 0;
   std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
   std::optional<OpenSample> open_;

@@ -4,17 +4,18 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace conveyor::nodes::detail {
 
 // WebDataset's naming: "a/b/000123.seg.png" is field "seg.png" of the sample
 // keyed "a/b/000123" (the name up to the first '.' after the last '/').
 struct MemberName {
-  std::string key;
-  std::string field;
+  std::string_view key;  // views into the name split, which outlives them
+  std::string_view field;
   bool valid = false;  // both parts present: a name of the form key.field
 };
-MemberName split_member_name(const std::string& name);
+MemberName split_member_name(std::string_view name);
 
 // What untar does with a member, decided from its header before its data is
 // read. Refusing is throwing DataError from admit().
@@ -29,6 +30,11 @@ enum class Admission {
 // members of a rejected sample are never read at all. Called on the thread
 // advancing untar, which is group_by_key's: they are adjacent, with nothing
 // between to run either elsewhere.
+//
+// The member untar hands out next is always the last one admitted, so the
+// gate knows its archive from admit(): a gated untar leaves
+// TarMember::archive empty rather than copy the path into every member
+// (two allocations per sample on the thread that feeds the workers).
 class MemberGate {
  public:
   virtual Admission admit(const std::string& archive, const std::string& member, uint64_t declared_bytes) = 0;

@@ -228,7 +228,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       const auto declared = static_cast<uint64_t>(std::max<int64_t>(declared_signed, 0));
       if (archive_entry_sparse_count(entry) > 0) refuse("sparse tar members are not supported", last_member_);
       if (!admit(declared)) continue;  // libarchive skips its data at the next header
-      return TarMember{current_.path, last_member_, read_data(declared)};
+      return TarMember{archive_for_member(), last_member_, read_data(declared)};
     }
   }
 
@@ -265,9 +265,12 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       } catch (const conveyor::detail::PlainTarFailure& failure) {
         throw DataError(std::string("cannot read member data: ") + failure.what(), current_.path, last_member_);
       }
-      return TarMember{current_.path, last_member_, std::move(bytes)};
+      return TarMember{archive_for_member(), last_member_, std::move(bytes)};
     }
   }
+
+  // The gate was told the archive in admit() (tar_members.h).
+  std::string archive_for_member() const { return gate_ != nullptr ? std::string() : current_.path; }
 
   // The member just named (last_member_), declaring `declared` bytes: read
   // it (true), skip it (false), or refuse it (throws). Its data is unread

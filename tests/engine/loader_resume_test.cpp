@@ -386,6 +386,47 @@ std::string error_of(const std::function<void()>& f) {
   return "(no error)";
 }
 
+// The largest "draws" anywhere in a state: the generator positions.
+uint64_t most_draws(const State& state) {
+  uint64_t most = 0;
+  if (state.is_object()) {
+    for (const auto& [key, value] : state.members()) {
+      most = std::max(most, key == "draws" ? value.as_uint("draws") : most_draws(value));
+    }
+  } else if (state.is_array()) {
+    for (const State& item : state.items()) most = std::max(most, most_draws(item));
+  }
+  return most;
+}
+
+// Persistent round_robin workers carry their generators from epoch to epoch
+// as positions: an origin and the draws since. Each epoch's first job puts
+// the generator where the last epoch left it and makes that its origin, so a
+// position counts at most one epoch's draws. (It used to seek back to the
+// first epoch's origin every epoch: the draws to replay, and the time
+// MT19937's discard() took, grew by an epoch's draws each epoch.)
+TEST(LoaderResume, PersistentWorkersPositionsCountOneEpochOfDrawsNotEveryEpochs) {
+  auto dataset = std::make_shared<DrawingDataset>(40, std::set<size_t>{});
+  Loader loader(dataset, {.batch_size = 4, .num_workers = 2, .persistent_workers = true, .seed = 5,
+                          .scheduling = Scheduling::round_robin});
+  // random() takes two 32-bit draws; a sample makes 1 to 3 of them.
+  constexpr uint64_t kEpochDraws = 40 * 3 * 2;
+  Outputs first_epoch;
+  for (int epoch = 0; epoch < 8; ++epoch) {
+    auto pass = loader.iter();
+    Outputs outputs;
+    while (take_one<Loader>(pass, outputs)) {
+    }
+    ASSERT_EQ(outputs.size(), 10u);
+    if (epoch == 0) {
+      first_epoch = outputs;
+    } else {
+      EXPECT_NE(outputs, first_epoch) << "epoch " << epoch << " drew what epoch 0 drew";
+    }
+    EXPECT_LE(most_draws(loader.state_dict()), kEpochDraws) << "after epoch " << epoch;
+  }
+}
+
 TEST(LoaderResume, AMismatchNamesTheFieldAndRoundRobinSaysWhyNotAnotherWorkerCount) {
   auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});
   Loader saver(dataset, {.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 5,

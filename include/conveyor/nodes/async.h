@@ -69,6 +69,7 @@
 #include "conveyor/detail/cpu_relax.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/detail/decision_log.h"
+#include "conveyor/nodes/reordering_stage.h"
 #include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
@@ -350,13 +351,18 @@ enum class AsyncErrors { node_error, data_error_as_is };
 }  // namespace detail
 
 template <class In, class Out, class F>
-class AsyncMap : public Stage<In, Out> {
+class AsyncMap : public detail::ReorderingStage<In, Out> {
+  using Base = detail::ReorderingStage<In, Out>;
+  using Base::inputs_;
+  using Base::order_;
+  using Base::replay_inputs_;
+
  public:
   using item_type = Out;
 
   AsyncMap(NodePtr<In> upstream, F fn, AsyncOptions options, std::string name = "async_map",
            detail::AsyncErrors errors = detail::AsyncErrors::node_error)
-      : Stage<In, Out>(std::move(upstream)),
+      : Base(std::move(upstream), options.in_order, options.on_error),
         fn_(std::move(fn)),
         options_(options),
         base_name_(std::move(name)),
@@ -408,31 +414,11 @@ class AsyncMap : public Stage<In, Out> {
 
   ~AsyncMap() override { abandon(); }  // completions out now return false
 
-  using Node<Out>::reset;
-  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    Stage<In, Out>::reset(pass, walk);
-    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
-  }
-  // As a parallel map's (ParallelMap::skip): in order, one output per input
-  // without fn starting; out of order, the saved log's inputs. And as a
-  // parallel map, with in_order = false it hands the saved order out again
-  // when a node after it replays by pulling (replay()).
-  uint64_t skip(uint64_t count, bool clean) override {
-    if (options_.in_order) {
-      if (options_.on_error == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
-      const uint64_t skipped = this->skip_upstream(count, clean);
-      inputs_ += skipped;
-      return skipped;
-    }
-    const conveyor::detail::CompletionOrder::Skipped skipped = order_.skip(count);
-    if (skipped.prefix > inputs_) this->pass_over_upstream(skipped.prefix - inputs_, clean);
-    inputs_ = std::max(inputs_, skipped.prefix);
-    return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
-  }
-  void save_extras(State& nodes, bool in_pass) const override {
-    if (in_pass && !options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
-    Stage<In, Out>::save_extras(nodes, in_pass);
-  }
+  // reset, skip and save_extras as a parallel map's (ReorderingStage): in
+  // order, one output per input without fn starting; out of order, the
+  // saved log's inputs. And as a parallel map, with in_order = false it
+  // hands the saved order out again when a node after it replays by
+  // pulling (replay()).
 
  protected:
   // Abandons the window: completions out deliver into it and are ignored.
@@ -697,11 +683,6 @@ class AsyncMap : public Stage<In, Out> {
   std::vector<uint64_t> tickets_;  // by slot: the ticket of the item in it
   std::vector<uint64_t> positions_;                 // by slot: the item's input position
   std::vector<uint64_t> inputs_of_;                 // by slot: its number among upstream's outputs
-  uint64_t inputs_ = 0;                             // upstream's outputs pulled this pass, failures included
-  // in_order = false: the order inputs were handed out in, and a resumed
-  // pass's saved one; what a replay pulled before its turn (by input).
-  conveyor::detail::CompletionOrder order_;
-  conveyor::detail::ReplayInputs<In> replay_inputs_;
   std::vector<std::exception_ptr> upstream_error_;  // by slot: an upstream error holding the place
   std::vector<uint32_t> free_;                      // out of order: free slots
   std::deque<uint32_t> ready_;                      // out of order: delivered, not yet taken

@@ -36,6 +36,7 @@
 #include "conveyor/detail/sequenced_window.h"
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/nodes/map.h"
+#include "conveyor/nodes/reordering_stage.h"
 #include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
@@ -128,15 +129,22 @@ inline conveyor::detail::EngineConfig engine_config(int workers, int window, boo
 
 template <class In, class F>
 class ParallelMap final
-    : public Stage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
+    : public detail::ReorderingStage<In, std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>,
       private conveyor::detail::SequencedWindow<
           detail::Result<std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>>, std::optional<In>>::Work {
  public:
   using Out = std::remove_cvref_t<std::invoke_result_t<const F&, In&&>>;
   using item_type = Out;
 
+ private:
+  using Base = detail::ReorderingStage<In, Out>;
+  using Base::inputs_;
+  using Base::order_;
+  using Base::replay_inputs_;
+
+ public:
   ParallelMap(NodePtr<In> upstream, F f, MapOptions options)
-      : Stage<In, Out>(std::move(upstream)), f_(std::move(f)), options_(options) {
+      : Base(std::move(upstream), options.in_order, options.on_error), f_(std::move(f)), options_(options) {
     if (options_.workers < 1 || options_.workers > 1024) {
       throw ValueError("map: workers should be in [1, 1024], but got " + std::to_string(options_.workers));
     }
@@ -148,34 +156,10 @@ class ParallelMap final
   ~ParallelMap() override { window_.reset(); }  // its workers run f_
 
   using Node<Out>::reset;
+  // Skips and checkpoints as every reordering map (ReorderingStage).
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    Stage<In, Out>::reset(pass, walk);
+    Base::reset(pass, walk);
     executor_.join(walk, options_.workers);
-    replay_inputs_.ahead.clear();
-    order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
-  }
-
-  // In order, one output per input: upstream skips without f running (a
-  // failed item was an output too), unless failures are dropped. With
-  // in_order = false the outputs were the inputs the saved log lists:
-  // upstream skips the prefix they cover, and the rest are dropped when
-  // pulled again.
-  uint64_t skip(uint64_t count, bool clean) override {
-    if (options_.in_order) {
-      if (options_.on_error == OnError::skip || !clean) return Stage<In, Out>::skip(count, clean);
-      const uint64_t skipped = this->skip_upstream(count, clean);
-      inputs_ += skipped;
-      return skipped;
-    }
-    const conveyor::detail::CompletionOrder::Skipped skipped = order_.skip(count);
-    if (skipped.prefix > inputs_) this->pass_over_upstream(skipped.prefix - inputs_, clean);
-    inputs_ = std::max(inputs_, skipped.prefix);
-    return skipped.outputs + (count > skipped.outputs ? Stage<In, Out>::skip(count - skipped.outputs, clean) : 0);
-  }
-  // With in_order = false: the inputs handed out, in their order.
-  void save_extras(State& nodes, bool in_pass) const override {
-    if (in_pass && !options_.in_order) nodes.set(std::to_string(this->id_), order_.to_state());
-    Stage<In, Out>::save_extras(nodes, in_pass);
   }
 
   std::optional<Out> produce() override {
@@ -368,12 +352,6 @@ class ParallelMap final
   bool upstream_done_ = false;
   std::exception_ptr upstream_error_;
   uint64_t upstream_error_input_ = 0;
-  uint64_t inputs_ = 0;  // upstream's outputs pulled this pass, failures included
-  // in_order = false: the order inputs were handed out in (timing's), and
-  // a resumed pass's saved one.
-  conveyor::detail::CompletionOrder order_;
-  // Pulled during a replay before their turn, by input.
-  conveyor::detail::ReplayInputs<In> replay_inputs_;
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts

@@ -82,6 +82,11 @@ inline size_t window_for(const LoaderPlan& plan) {
   return std::min(plan.window, std::max(batches, plan.num_workers));
 }
 
+// How many draws a seek may replay before the generator is rebased where it
+// lands (PendingSeek::apply): MT19937 regenerates its 624 words once per
+// 624 draws, so a few microseconds at most.
+inline constexpr uint64_t kRebaseAfterDraws = 4096;
+
 // A resumed pass's generator to set back where its consumer left it, once
 // whatever replays the pass's start has drawn (empty: nothing to do).
 struct PendingSeek {
@@ -91,13 +96,17 @@ struct PendingSeek {
   std::optional<GeneratorPosition>* start = nullptr;
   void apply() {
     if (!to || !*to) return;
+    const uint64_t replayed = (*to)->draws;
     generator->seek(*std::exchange(*to, std::nullopt));
-    // Rebased here (its state made its origin): the positions noted from now
-    // on count from this point, so the next pass's seek replays one pass of
-    // draws. Without it every pass sought back to the first pass's origin,
+    // Past kRebaseAfterDraws the generator is rebased here (its state made
+    // its origin), so the positions noted from now on count from this point.
+    // A persistent worker seeks every epoch to where the last one left it:
+    // without the rebase each seek went back to the first epoch's origin,
     // and MT19937's discard() replayed all the draws since, epoch after
-    // epoch (1.7% of W5's CPU after 30 short epochs, growing).
-    generator->set_state(generator->get_state());
+    // epoch (1.7% of W5's CPU after 30 short epochs, growing). Below it the
+    // position stays as it is: one counted from a seed is compact in a
+    // checkpoint (a state's origin writes out 624 words).
+    if (replayed > kRebaseAfterDraws) generator->set_state(generator->get_state());
   }
   void apply_start() {
     if (start && *start) generator->seek(*std::exchange(*start, std::nullopt));

@@ -68,12 +68,15 @@ struct HttpOptions {
   uint64_t max_bytes = uint64_t{1} << 30;
   // The kernel's receive buffer asked for each new connection (SO_RCVBUF:
   // Linux doubles it for its own bookkeeping and caps the request at
-  // net.core.rmem_max); 0 leaves the kernel's autotuning. A large one lets
-  // the server send a shard ahead of the reader without waiting for its
-  // acknowledgements: W5's shards over loopback gave 3-4% more samples/s
-  // at 2 MiB than autotuned (perf/README.md). Kernel memory, used only as
-  // data waits in it. [0, 1 GiB].
-  uint64_t receive_buffer = uint64_t{2} << 20;
+  // net.core.rmem_max). 0, the default, leaves the kernel's autotuning,
+  // which a fixed size turns off: over long round trips (a remote object
+  // store) autotuning grows further (net.ipv4.tcp_rmem) than most systems'
+  // rmem_max lets a request reach. Near the server (a LAN, the loopback) a
+  // fixed large one lets it send a shard ahead of the reader without
+  // waiting for acknowledgements: W5's shards over loopback gave 3-4% more
+  // samples/s at 2 MiB than autotuned (perf/README.md). Kernel memory,
+  // used only as data waits in it. [0, 1 GiB].
+  uint64_t receive_buffer = 0;
   OnError on_error = OnError::raise;
 };
 

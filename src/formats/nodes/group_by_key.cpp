@@ -52,8 +52,8 @@ class KeySet {
     if (2 * (size_ + 1) > keys_.size()) grow();
     for (size_t slot = hash(key) & mask();; slot = (slot + 1) & mask()) {
       if (!used_[slot]) {
+        keys_[slot].assign(key);  // first: a bad_alloc leaves the slot free
         used_[slot] = true;
-        keys_[slot].assign(key);
         ++size_;
         return true;
       }

@@ -10,14 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "cuda/require_device.h"
 #include "support/datasets.h"
 
 namespace {
-
-#define REQUIRE_CUDA_DEVICE()                                                                       \
-  if (conveyor::cuda::device_count() == 0) {                                                        \
-    GTEST_SKIP() << "no CUDA device here (cudaGetDeviceCount reports none); runs on a GPU machine"; \
-  }
 
 TEST(CudaFallback, WithoutADeviceSelectionWarnsAndFallsBack) {
   if (conveyor::cuda::device_count() > 0) GTEST_SKIP() << "a CUDA device is present: no fallback to test";

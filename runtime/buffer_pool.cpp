@@ -211,9 +211,27 @@ class ScalableHeap final : public BufferAllocator {
   }
 };
 
+// What a loader's batch task makes outside collate: samples and their
+// transforms' outputs, mostly freed by the same worker once collated. Small
+// ones from glibc, whose per-thread arenas serve them fastest; large ones
+// from oneTBB, which keeps freed large blocks for the next batch where glibc
+// gives each back to the kernel (munmap, or trimming the arena's top) and
+// the next batch page-faults it in again.
+class SampleHeap final : public BufferAllocator {
+ public:
+  std::shared_ptr<std::byte> allocate(size_t bytes) override {
+    return bytes < kLargeSampleBytes ? allocate_heap_buffer(bytes) : large_.allocate(bytes);
+  }
+
+ private:
+  ScalableHeap large_;
+};
+
 }  // namespace
 
 std::shared_ptr<BufferAllocator> make_scalable_heap() { return std::make_shared<ScalableHeap>(); }
+
+std::shared_ptr<BufferAllocator> make_sample_heap() { return std::make_shared<SampleHeap>(); }
 
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class) {
   return std::make_shared<RecyclingAllocator>(max_free_per_class, nullptr);

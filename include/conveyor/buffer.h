@@ -3,7 +3,9 @@
 // Collate functions allocate their output through allocate_batch_buffer().
 // By default that is 64-byte-aligned heap memory; a loader with a transfer
 // stage installs its staging pool for the duration of a collate task, so a
-// batch is written once, straight into the memory it is copied from.
+// batch is written once, straight into the memory it is copied from. Arrays
+// a loader's task makes outside collate (a dataset's samples) come from a
+// heap that keeps large blocks for the next batch.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,7 @@
 #include "conveyor/buffer.h"
 
+#include "conveyor/detail/buffer_pool.h"
+
 #include <new>
 
 namespace conveyor {
@@ -10,12 +12,15 @@ constexpr std::align_val_t kAlignment{64};
 
 std::shared_ptr<std::byte> allocate_batch_buffer(size_t bytes) {
   if (tls_allocator != nullptr) return tls_allocator->allocate(bytes);
-  auto* memory = static_cast<std::byte*>(::operator new(bytes == 0 ? 1 : bytes, kAlignment));
-  return std::shared_ptr<std::byte>(memory,
-                                    [](std::byte* p) { ::operator delete(p, kAlignment); });
+  return detail::allocate_heap_buffer(bytes);
 }
 
 namespace detail {
+std::shared_ptr<std::byte> allocate_heap_buffer(size_t bytes) {
+  auto* memory = static_cast<std::byte*>(::operator new(bytes == 0 ? 1 : bytes, kAlignment));
+  return std::shared_ptr<std::byte>(memory, [](std::byte* p) { ::operator delete(p, kAlignment); });
+}
+
 AllocatorScope::AllocatorScope(BufferAllocator* allocator) noexcept : previous_(tls_allocator) {
   tls_allocator = allocator;
 }

@@ -16,13 +16,22 @@ namespace conveyor::detail {
 // bytes than were ever in use at once; the rest go back to the heap.
 // Buffers outlive the allocator safely. Thread-safe, mutex-free.
 // The loader installs it for collate only: what a dataset allocates is not
-// the window's memory and comes from the heap.
+// the window's memory and comes from the sample heap (make_sample_heap).
 std::shared_ptr<BufferAllocator> make_recycling_allocator(size_t max_free_per_class);
 
 // Plain heap memory from oneTBB's scalable allocator, whose per-thread heaps
 // take back memory freed on another thread without a lock: for what a
 // pipeline's workers make and its consumer frees.
 std::shared_ptr<BufferAllocator> make_scalable_heap();
+
+// Where a loader's batch task allocates outside collate: glibc below
+// kLargeSampleBytes, the scalable heap from there on (see buffer_pool.cpp).
+inline constexpr size_t kLargeSampleBytes = size_t{128} << 10;  // glibc's default mmap threshold
+std::shared_ptr<BufferAllocator> make_sample_heap();
+
+// allocate_batch_buffer's memory where no allocator is installed: 64-byte
+// aligned, from the C++ heap.
+std::shared_ptr<std::byte> allocate_heap_buffer(size_t bytes);
 
 // The same over page-locked memory from `device`. Each buffer gets a device
 // twin of its capacity on its first transfer, reused with it; a buffer is not

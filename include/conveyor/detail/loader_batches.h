@@ -151,6 +151,7 @@ class BatchWork {
                                          const std::exception_ptr& init_failure,
            PendingSeek seek = {}) noexcept {
     const char* stage = "fetch";
+    AllocatorScope task_memory(core_.sample_memory.get());  // collate installs its own inside
     try {
       if constexpr (MapStyleDataset<D>) {
         seek.apply();

@@ -111,7 +111,8 @@ struct LoaderCore {
         // the loader's life: a steady loader, with or without workers,
         // writes its batches into warm memory and never touches the heap.
         batch_memory(plan.batch_allocator ? plan.batch_allocator
-                                          : make_recycling_allocator(plan.window + 2)) {}
+                                          : make_recycling_allocator(plan.window + 2)),
+        sample_memory(make_sample_heap()) {}
 
   std::shared_ptr<D> dataset;
   C collate;
@@ -121,6 +122,12 @@ struct LoaderCore {
   bool owns_dataset;
   // Where collate writes batches (see make_batch).
   std::shared_ptr<BufferAllocator> batch_memory;
+  // Where Arrays a batch's task makes outside collate come from (samples,
+  // transforms' outputs): large ones from oneTBB's scalable heap, which
+  // keeps freed blocks for the next batch. glibc gives them back to the
+  // kernel as the batch frees them, and the next batch page-faults them in
+  // again: 192 KiB samples ran 3-5x slower that way (make_sample_heap).
+  std::shared_ptr<BufferAllocator> sample_memory;
   // len(loader) of an iterable dataset, once asked; for the "more batches
   // than len()" warning. Consumer thread only.
   std::optional<size_t> reported_length;
@@ -145,7 +152,8 @@ struct LoaderCore {
 
   // Fetch and collate one map-style batch. `stage` names the step running
   // when an exception leaves; `times` gets the time of each. Collate (only
-  // collate: not what the dataset allocates) writes into `batch_memory`.
+  // collate: not what the dataset allocates) writes into `batch_memory`;
+  // the caller installs `sample_memory` for the rest.
   batch_type make_batch(std::span<const size_t> indices, const char*& stage, StageTimes& times) const {
     const auto start = std::chrono::steady_clock::now();
     stage = "fetch";

@@ -167,6 +167,31 @@ TEST(GpuTransfer, BatchesKeepSamplerOrderAndTheTrainersStreamReadsEachCopyIntact
   }
 }
 
+// One worker making 64 MiB batches, far slower than the copy engine: most
+// batches are pulled, copied and handed out within one next(), so their
+// copy (about 1.4 ms) is still running when the trainer's stream asks for
+// them. Only the event stands between the read and the copy. (With the
+// event recorded on the legacy stream instead of the copy stream, this test
+// failed 3 runs of 3 on an H200; the order test above, whose copies finish
+// ahead of hand-out, passed.)
+TEST(GpuTransfer, ACopyStillRunningAtHandOutIsReadOnlyAfterItsEvent) {
+  REQUIRE_CUDA_DEVICE();
+  WideDataset dataset(kBatch * 12, 1024 * 1024);  // 4 MiB samples
+  auto device = conveyor::cuda::make_device(0);
+  conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = 1, .pin_memory = true,
+                                        .transfer_device = device, .prefetch_to_device = 1});
+  ConsumerStream consumer;
+  int running_at_handout = 0, batches = 0;
+  auto epoch = loader.iter();
+  while (auto batch = epoch.next()) {
+    running_at_handout += epoch.device().ready.ready() ? 0 : 1;
+    ASSERT_TRUE(consumer.all_match(epoch.device())) << "batch " << batches;
+    ++batches;
+  }
+  EXPECT_EQ(batches, 12);
+  EXPECT_GT(running_at_handout, 0) << "no copy was still running when handed out: the race went untested";
+}
+
 TEST(GpuTransfer, ThePinnedPoolIsBoundedAndEveryDeviceByteGoesBackToTheDriver) {
   REQUIRE_CUDA_DEVICE();
   ASSERT_EQ(cudaFree(nullptr), cudaSuccess);  // the context exists before the first reading

@@ -97,6 +97,28 @@ void BM_StageCopy(benchmark::State& state) {
 }
 BENCHMARK(BM_StageCopy)->Args({1 << 20, 4})->Args({12 << 20, 4})->Args({12 << 20, 12})->UseRealTime();
 
+// The trainer's compute: a kernel of `rounds` on 4M floats, on a stream of
+// its own, waited for.
+struct TrainerKernel {
+  static constexpr int kFloats = 1 << 22;
+  TrainerKernel() {
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaMalloc(reinterpret_cast<void**>(&data), kFloats * sizeof(float));
+  }
+  ~TrainerKernel() {
+    cudaFree(data);
+    cudaStreamDestroy(stream);
+  }
+  TrainerKernel(const TrainerKernel&) = delete;
+  TrainerKernel& operator=(const TrainerKernel&) = delete;
+  void run(int rounds) {
+    conveyor_launch_busy_kernel(data, kFloats, rounds, stream);
+    cudaStreamSynchronize(stream);
+  }
+  cudaStream_t stream = nullptr;
+  float* data = nullptr;
+};
+
 // Counts the pinned and device allocations a loader makes (each a driver
 // call; cudaFree and cudaFreeHost synchronise the whole device).
 class CountingDevice final : public conveyor::TransferDevice {
@@ -140,11 +162,7 @@ void BM_OverlapUnderCompute(benchmark::State& state) {
                                         .persistent_workers = true, .pin_memory = true,
                                         .transfer_device = device,
                                         .prefetch_to_device = static_cast<int>(state.range(2))});
-  cudaStream_t compute = nullptr;
-  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
-  float* work = nullptr;
-  const int n = 1 << 22;
-  cudaMalloc(reinterpret_cast<void**>(&work), n * sizeof(float));
+  TrainerKernel kernel;
   const int rounds = static_cast<int>(state.range(0));
   std::optional<decltype(loader.iter())> epoch;
   epoch.emplace(loader.iter());
@@ -153,17 +171,14 @@ void BM_OverlapUnderCompute(benchmark::State& state) {
   for (auto _ : state) {
     auto next = next_batch(loader, epoch);
     copied_ahead += epoch->device().ready.ready() ? 1 : 0;
-    cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(epoch->device().ready.native()), 0);
-    conveyor_launch_busy_kernel(work, n, rounds, compute);
-    cudaStreamSynchronize(compute);
+    cudaStreamWaitEvent(kernel.stream, static_cast<cudaEvent_t>(epoch->device().ready.native()), 0);
+    kernel.run(rounds);
     benchmark::DoNotOptimize(next);
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(batch_bytes));
   const auto batches = static_cast<double>(std::max<int64_t>(state.iterations(), 1));
   state.counters["copied_ahead"] = static_cast<double>(copied_ahead) / batches;
   state.counters["allocs_per_batch"] = static_cast<double>(device->allocations.load() - allocations_before) / batches;
-  cudaFree(work);
-  cudaStreamDestroy(compute);
 }
 BENCHMARK(BM_OverlapUnderCompute)
     ->ArgsProduct({{0, 2000, 8000}, {4, 12}, {2}})
@@ -173,18 +188,9 @@ BENCHMARK(BM_OverlapUnderCompute)
 
 void BM_ComputeAlone(benchmark::State& state) {
   if (skip_without_gpu(state)) return;
-  cudaStream_t compute = nullptr;
-  cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking);
-  float* work = nullptr;
-  const int n = 1 << 22;
-  cudaMalloc(reinterpret_cast<void**>(&work), n * sizeof(float));
+  TrainerKernel kernel;
   const int rounds = static_cast<int>(state.range(0));
-  for (auto _ : state) {
-    conveyor_launch_busy_kernel(work, n, rounds, compute);
-    cudaStreamSynchronize(compute);
-  }
-  cudaFree(work);
-  cudaStreamDestroy(compute);
+  for (auto _ : state) kernel.run(rounds);
 }
 BENCHMARK(BM_ComputeAlone)->Arg(2000)->Arg(8000)->UseRealTime();
 

@@ -196,6 +196,11 @@ class RecyclingAllocator final : public BufferAllocator {
 
 namespace {
 
+// Named, so that std::get_deleter tells its buffers (is_scalable_heap_buffer).
+struct ScalableFree {
+  void operator()(std::byte* block) const noexcept { scalable_aligned_free(block); }
+};
+
 // oneTBB's scalable allocator: per-thread heaps that take back a block freed
 // by another thread through a lock-free list, so memory made on a worker and
 // freed on the consumer's thread costs no arena lock (glibc's does).
@@ -205,8 +210,7 @@ class ScalableHeap final : public BufferAllocator {
     void* memory = scalable_aligned_malloc(std::max<size_t>(bytes, 1), 64);
     if (memory == nullptr) throw std::bad_alloc();
     // The control block from the same heap: it too is freed on another thread.
-    return std::shared_ptr<std::byte>(static_cast<std::byte*>(memory),
-                                      [](std::byte* block) { scalable_aligned_free(block); },
+    return std::shared_ptr<std::byte>(static_cast<std::byte*>(memory), ScalableFree{},
                                       tbb::scalable_allocator<std::byte>());
   }
 };
@@ -219,12 +223,28 @@ class ScalableHeap final : public BufferAllocator {
 // the next batch page-faults it in again.
 class SampleHeap final : public BufferAllocator {
  public:
+  // The loader that owned this heap is gone: oneTBB's cached large blocks go
+  // back to the kernel, as glibc gave back each one it freed (a loader of
+  // 192 KiB samples on 2 workers left 25 MiB resident otherwise). Blocks
+  // still held elsewhere stay; the cache refills as any user allocates.
+  ~SampleHeap() override {
+    if (served_large_.load(std::memory_order_relaxed)) {
+      scalable_allocation_command(TBBMALLOC_CLEAN_ALL_BUFFERS, nullptr);
+    }
+  }
+
   std::shared_ptr<std::byte> allocate(size_t bytes) override {
-    return bytes < kLargeSampleBytes ? allocate_heap_buffer(bytes) : large_.allocate(bytes);
+    if (bytes < kLargeSampleBytes) return allocate_heap_buffer(bytes);
+    // Relaxed: read only by the destructor, which runs after every task (the
+    // heap goes with the loader's core, which outlives its tasks). Written
+    // once, so the workers do not bounce its cache line.
+    if (!served_large_.load(std::memory_order_relaxed)) served_large_.store(true, std::memory_order_relaxed);
+    return large_.allocate(bytes);
   }
 
  private:
   ScalableHeap large_;
+  std::atomic<bool> served_large_{false};
 };
 
 }  // namespace
@@ -251,6 +271,10 @@ PoolStats pool_stats(const BufferAllocator& pool) {
 
 bool is_pool_buffer(const std::shared_ptr<void>& owner) {
   return std::get_deleter<BlockTag>(owner) != nullptr;
+}
+
+bool is_scalable_heap_buffer(const std::shared_ptr<void>& owner) {
+  return std::get_deleter<ScalableFree>(owner) != nullptr;
 }
 
 std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner) {

@@ -4,8 +4,9 @@
 // By default that is 64-byte-aligned heap memory; a loader with a transfer
 // stage installs its staging pool for the duration of a collate task, so a
 // batch is written once, straight into the memory it is copied from. Arrays
-// a loader's task makes outside collate (a dataset's samples) come from a
-// heap that keeps large blocks for the next batch.
+// a loader's task makes outside collate (a dataset's samples) come from the
+// heap, or from oneTBB's scalable heap, which keeps them for the next batch,
+// when 128 KiB or larger.
 #pragma once
 
 #include <cstddef>

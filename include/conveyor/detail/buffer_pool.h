@@ -51,6 +51,9 @@ PoolStats pool_stats(const BufferAllocator& pool);
 
 // Whether `owner` keeps a pool buffer alive (rather than heap memory).
 bool is_pool_buffer(const std::shared_ptr<void>& owner);
+// Whether `owner` keeps memory from make_scalable_heap() (or the sample
+// heap's large side) alive.
+bool is_scalable_heap_buffer(const std::shared_ptr<void>& owner);
 
 // A pinned pool buffer's device twin, and where to record its copy's event.
 struct DeviceTwin {

@@ -30,6 +30,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -151,7 +152,10 @@ class BatchWork {
                                          const std::exception_ptr& init_failure,
            PendingSeek seek = {}) noexcept {
     const char* stage = "fetch";
-    AllocatorScope task_memory(core_.sample_memory.get());  // collate installs its own inside
+    // Samples that are plain numbers allocate nothing worth keeping, and W0's
+    // batches are a few hundred instructions: no scope (two calls) for them.
+    std::optional<AllocatorScope> task_memory;  // collate installs its own inside
+    if constexpr (!std::is_arithmetic_v<sample_type>) task_memory.emplace(core_.sample_memory.get());
     try {
       if constexpr (MapStyleDataset<D>) {
         seek.apply();

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -21,13 +20,14 @@
 #include "conveyor/data_error.h"
 #include "conveyor/dataset.h"
 #include "conveyor/idx.h"
+#include "conveyor/sample_fields.h"
 
 namespace conveyor {
 
 struct ShardSample {
   std::string key;    // "000123"
   std::string shard;  // the shard's path
-  std::map<std::string, std::vector<uint8_t>> fields;  // extension -> bytes ("jpg", "cls")
+  SampleFields fields;  // extension -> bytes ("jpg", "cls"), in name order
 };
 
 // TarShardOptions::max_sample_bytes's default: 1 GiB, far above any image,
@@ -133,7 +133,7 @@ class TarShardWriter {
   TarShardWriter(const TarShardWriter&) = delete;
   TarShardWriter& operator=(const TarShardWriter&) = delete;
 
-  void write(const std::string& key, const std::map<std::string, std::vector<uint8_t>>& fields);
+  void write(const std::string& key, const SampleFields& fields);
   // Finishes the open shard. Returns the paths of every shard written.
   std::vector<std::string> close();
 

@@ -384,8 +384,7 @@ TarShardWriter::~TarShardWriter() {
   }
 }
 
-void TarShardWriter::write(const std::string& key,
-                           const std::map<std::string, std::vector<uint8_t>>& fields) {
+void TarShardWriter::write(const std::string& key, const SampleFields& fields) {
   Impl& impl = *impl_;
   impl.check_usable();
   // Names the reader would group differently are refused up front.

@@ -42,7 +42,7 @@ using conveyor::ShardSample;
 using conveyor::TarShardDataset;
 using conveyor::TarShardOptions;
 using conveyor::TarShardWriter;
-using Fields = std::map<std::string, std::vector<uint8_t>>;
+using Fields = conveyor::SampleFields;
 using Loader = conveyor::DataLoader<TarShardDataset, conveyor::DefaultConvert>;
 
 // A fresh directory under /tmp for one test, removed with everything in it.

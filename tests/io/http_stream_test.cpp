@@ -32,7 +32,7 @@ constexpr int kShards = 3;
 constexpr int kSamplesPerShard = 7;
 
 // Sample i: a payload of a few KiB (varied, from an LCG) and its class.
-std::map<std::string, std::vector<uint8_t>> sample_fields(int i) {
+conveyor::SampleFields sample_fields(int i) {
   std::vector<uint8_t> payload(1000 + static_cast<size_t>(i) * 613 % 9000);
   uint32_t state = 2654435761u * static_cast<uint32_t>(i + 1);
   for (uint8_t& byte : payload) {

@@ -211,6 +211,8 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     open_.emplace();
     open_->sample.key = key;
     open_->sample.shard = archive_;
+    // As many fields as the sample before: one allocation for all of them.
+    open_->sample.fields.reserve(fields_per_sample_);
     open_->index = next_index_++;
     if (!seen_keys_.insert(key)) {
       reject("key '" + std::string(key) + "' appears again: a sample's members must be consecutive in the shard",
@@ -225,7 +227,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
              index);
     }
     // One lookup: a refused sample is dropped whole, the new field with it.
-    const auto [field, added] = open_->sample.fields.try_emplace(std::string(name.field));
+    const auto [field, added] = open_->sample.fields.try_emplace(name.field);
     if (!added) {
       reject("field '" + std::string(name.field) + "' appears twice in sample '" + std::string(name.key) + "'",
              member.name, name.key, index);
@@ -249,6 +251,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::optional<ShardSample> finish() {
     OpenSample open = std::move(*open_);
     open_.reset();
+    fields_per_sample_ = std::max<size_t>(1, open.sample.fields.size());
     for (const std::string& field : options_.required_fields) {
       if (!open.sample.fields.contains(field)) {
         DataError error("sample '" + open.sample.key + "' has no required field '" + field + "'", open.sample.shard,
@@ -326,6 +329,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::string admitted_archive_;  // the archive of untar's last member (gated_)
   KeySet seen_keys_;
   int64_t next_index_ = 0;
+  size_t fields_per_sample_ = 2;  // of the last sample finished
   std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
   std::optional<OpenSample> open_;
   std::optional<TarMember> pending_;

@@ -79,6 +79,13 @@ class SampleFields {
                             std::forward_as_tuple(std::forward<Args>(args)...)),
             true};
   }
+  // As std::map's: a name already there keeps its bytes.
+  template <class... Args>
+  std::pair<iterator, bool> emplace(std::string_view name, Args&&... args) {
+    return try_emplace(name, std::forward<Args>(args)...);
+  }
+  std::pair<iterator, bool> insert(const value_type& field) { return try_emplace(field.first, field.second); }
+  std::pair<iterator, bool> insert(value_type&& field) { return try_emplace(field.first, std::move(field.second)); }
   template <class Bytes>
   std::pair<iterator, bool> insert_or_assign(std::string_view name, Bytes&& bytes) {
     auto [field, inserted] = try_emplace(name);

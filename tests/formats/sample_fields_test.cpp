@@ -103,7 +103,7 @@ TEST(SampleFields, BehavesAsStdMapUnderRandomOperations) {
     SCOPED_TRACE("seed " + std::to_string(seed) + ", step " + std::to_string(step));
     const std::string& name = names[random() % names.size()];
     const Bytes bytes(random() % 4, static_cast<uint8_t>(random()));
-    switch (random() % 5) {
+    switch (random() % 7) {
       case 0: {
         const bool added = fields.try_emplace(name, bytes).second;
         EXPECT_EQ(added, expected.try_emplace(name, bytes).second);
@@ -120,6 +120,16 @@ TEST(SampleFields, BehavesAsStdMapUnderRandomOperations) {
         fields[name] = bytes;
         expected[name] = bytes;
         break;
+      case 4: {
+        const bool added = fields.emplace(name, bytes).second;
+        EXPECT_EQ(added, expected.emplace(name, bytes).second);
+        break;
+      }
+      case 5: {
+        const bool added = fields.insert({name, bytes}).second;
+        EXPECT_EQ(added, expected.insert({name, bytes}).second);
+        break;
+      }
       default:
         ASSERT_EQ(fields.contains(name), expected.contains(name));
         if (expected.contains(name)) {

@@ -23,6 +23,12 @@ class ByteStream {
   // Up to out.size() bytes into `out`, waiting for at least one; 0 only at
   // the end. Failures throw DataError naming the source.
   virtual size_t read(std::span<uint8_t> out) = 0;
+  // The next bytes, read in place: a view of the stream's own buffer, valid
+  // until the next call on the stream, which saves read()'s copy of every
+  // byte. Empty only at the end; failures throw as read()'s do. A stream
+  // with no buffer to lend keeps this default, std::nullopt from its first
+  // call on, and its readers call read() instead.
+  virtual std::optional<std::span<const uint8_t>> read_in_place() { return std::nullopt; }
   // The stream's length once known (an HTTP Content-Length, after the first
   // read): readers bound what a header may claim by it.
   virtual std::optional<uint64_t> size() const { return std::nullopt; }

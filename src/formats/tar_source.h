@@ -41,7 +41,7 @@ inline constexpr size_t kTarReadBlockBytes = 64 * 1024;  // what each read callb
 inline constexpr size_t kTarBlockBytes = 512;
 
 // Where a shard's bytes come from: a file read in 64 KiB blocks, a
-// ByteStream (an HTTP body) read the same way, or memory.
+// ByteStream (an HTTP body) read in place or in 64 KiB blocks, or memory.
 // libarchive pulls them through read(). The source remembers how many bytes it
 // handed out and the last 512 of them: libarchive accepts a tar that stops at
 // a member boundary without its end-of-archive blocks, and these tell such a
@@ -55,8 +55,7 @@ struct ReadFailure : std::runtime_error {
 class TarSource {
  public:
   explicit TarSource(std::span<const uint8_t> bytes) : size_(bytes.size()), memory_(bytes) {}
-  explicit TarSource(std::unique_ptr<ByteStream> stream)
-      : stream_(std::move(stream)), file_buffer_(kTarReadBlockBytes) {}
+  explicit TarSource(std::unique_ptr<ByteStream> stream) : stream_(std::move(stream)) {}
   ~TarSource() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -116,8 +115,7 @@ class TarSource {
     }
     size_t count = 0;
     if (stream_) {
-      count = stream_->read(file_buffer_);
-      *block = file_buffer_.data();
+      count = next_stream_block(block);
     } else if (fd_ >= 0) {
       ssize_t got = 0;
       do {
@@ -160,6 +158,22 @@ class TarSource {
   }
 
  private:
+  // In place where the stream lends its buffer (an HTTP body: one copy of
+  // every byte fewer), else read into ours.
+  size_t next_stream_block(const uint8_t** block) {
+    if (stream_lends_) {
+      if (std::optional<std::span<const uint8_t>> lent = stream_->read_in_place()) {
+        *block = lent->data();
+        return lent->size();
+      }
+      stream_lends_ = false;
+      file_buffer_.resize(kTarReadBlockBytes);
+    }
+    const size_t count = stream_->read(file_buffer_);
+    *block = file_buffer_.data();
+    return count;
+  }
+
   void remember(const uint8_t* bytes, size_t count) {
     if (count == 0) {
       exhausted_ = true;
@@ -179,6 +193,7 @@ class TarSource {
 
   int fd_ = -1;
   std::unique_ptr<ByteStream> stream_;
+  bool stream_lends_ = true;  // until its read_in_place() says otherwise
   std::optional<uint64_t> size_;
   std::vector<uint8_t> file_buffer_;  // files and streams
   std::span<const uint8_t> memory_;

@@ -2,7 +2,8 @@
 // read front to back on the reader's thread through a private multi handle.
 //
 // Memory: at most kStreamBuffer + kReceiveBytes bytes wait for the reader,
-// in a buffer that stays with the pooled connection. When kStreamBuffer are
+// in a buffer that stays with the pooled connection; read_in_place() lends
+// them to the reader (untar) instead of copying them out. When kStreamBuffer are
 // buffered the write callback pauses the transfer (CURL_WRITEFUNC_PAUSE:
 // libcurl keeps the chunk and hands it again once unpaused), and read()
 // unpauses it when the buffer has drained.
@@ -134,6 +135,7 @@ class HttpStream final : public ByteStream {
 
   size_t read(std::span<uint8_t> out) override {
     if (out.empty()) return 0;
+    reclaim_lent();
     pump([this] { return buffered() > 0; });
     const size_t count = std::min(out.size(), buffered());
     std::memcpy(out.data(), buffer_.data() + begin_, count);
@@ -145,10 +147,30 @@ class HttpStream final : public ByteStream {
     return count;
   }
 
+  // All that is buffered, lent until the next call: the buffer is only
+  // written in pump(), which no call reaches before reclaiming it.
+  std::optional<std::span<const uint8_t>> read_in_place() override {
+    reclaim_lent();
+    pump([this] { return buffered() > 0; });
+    const std::span<const uint8_t> lent(buffer_.data() + begin_, buffered());
+    begin_ = buffer_.size();
+    lent_ = true;
+    return lent;
+  }
+
   std::optional<uint64_t> size() const override { return size_; }
 
  private:
   size_t buffered() const noexcept { return buffer_.size() - begin_; }
+
+  // The bytes read_in_place() lent are the caller's until its next call:
+  // only then is their room reused.
+  void reclaim_lent() noexcept {
+    if (!lent_) return;
+    lent_ = false;
+    buffer_.clear();
+    begin_ = 0;
+  }
 
   // Drives the transfer until `ready()`, the end of the body, or a final
   // failure (thrown).
@@ -310,6 +332,7 @@ class HttpStream final : public ByteStream {
   Connection& connection_;        // lease_'s
   std::vector<uint8_t>& buffer_;  // connection_'s; buffer_[begin_, size()) waits for read()
   size_t begin_ = 0;
+  bool lent_ = false;  // buffer_[0, begin_) is lent by read_in_place()
   uint64_t received_ = 0;  // bytes of the object taken into the buffer, all attempts
   uint64_t received_at_last_failure_ = 0;
   uint64_t discard_ = 0;   // bytes of this response already received before

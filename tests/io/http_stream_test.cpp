@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -114,6 +115,40 @@ TEST_F(HttpShardTest, ShardsOverHttpGiveWhatTheSameShardsOnDiskGive) {
     const std::string path = "/shards/part-00000" + std::to_string(shard) + ".tar";
     EXPECT_EQ(server_->statuses_logged(path), (std::vector<int>{200, 200})) << path;
   }
+}
+
+// A stream's connection serves the next one. untar stops reading a shard at
+// its first end-of-archive block, before the end of the response: the rest
+// is read and dropped rather than the connection closed. Two connections at
+// most: untar opens the next shard while it reads this one.
+TEST_F(HttpShardTest, ShardsReuseTheirConnections) {
+  // The suite's server has answered other tests too: only this test's
+  // requests, the log's lines after `before`, count.
+  const auto logged = [] {
+    std::vector<std::vector<uint64_t>> connections;
+    for (int shard = 0; shard < kShards; ++shard) {
+      connections.push_back(server_->connections_logged("/shards/part-00000" + std::to_string(shard) + ".tar"));
+    }
+    return connections;
+  };
+  const std::vector<std::vector<uint64_t>> before = logged();
+  constexpr int kPasses = 3;
+  auto members = from_vector(urls()) | untar({.open = http_opener()});
+  for (int pass = 0; pass < kPasses; ++pass) {
+    size_t count = 0;
+    for (auto& member : members.pass()) {
+      EXPECT_FALSE(member.bytes.empty());
+      ++count;
+    }
+    ASSERT_EQ(count, 2u * kShards * kSamplesPerShard);
+  }
+  const std::vector<std::vector<uint64_t>> after = logged();
+  std::set<uint64_t> used;
+  for (int shard = 0; shard < kShards; ++shard) {
+    ASSERT_EQ(after[shard].size(), before[shard].size() + kPasses) << "shard " << shard;
+    used.insert(after[shard].begin() + static_cast<std::ptrdiff_t>(before[shard].size()), after[shard].end());
+  }
+  EXPECT_LE(used.size(), 2u) << kPasses * kShards << " requests on " << used.size() << " connections";
 }
 
 TEST_F(HttpShardTest, UntarOverUrlsAndPathsMixed) {

@@ -123,7 +123,10 @@ void NginxServer::start_on(uint16_t fixed_port) {
     }
     conf << "events { worker_connections 1024; }\n"
          << "http {\n"
-         << "  access_log " << dir_ << "/access.log;\n"
+         // combined, then the connection's serial number (connections_logged)
+         << "  log_format conveyor '$remote_addr - $remote_user [$time_local] \"$request\" $status "
+            "$body_bytes_sent \"$http_referer\" \"$http_user_agent\" connection=$connection';\n"
+         << "  access_log " << dir_ << "/access.log conveyor;\n"
          << "  client_body_temp_path " << dir_ << "/tmp/body;\n"
          << "  proxy_temp_path " << dir_ << "/tmp/proxy;\n"
          << "  fastcgi_temp_path " << dir_ << "/tmp/fastcgi;\n"
@@ -225,6 +228,21 @@ std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
     if (quote != std::string::npos) statuses.push_back(std::atoi(log.c_str() + quote + 2));
   }
   return statuses;
+}
+
+std::vector<uint64_t> NginxServer::connections_logged(const std::string& path) const {
+  sync_log();
+  const std::string log = read_text(dir_ + "/access.log");
+  const std::string needle = "\"GET " + path + " ";
+  std::vector<uint64_t> connections;
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
+    const size_t line_end = log.find('\n', at);
+    const size_t field = log.find(" connection=", at);
+    if (field != std::string::npos && field < line_end) {
+      connections.push_back(std::strtoull(log.c_str() + field + 12, nullptr, 10));
+    }
+  }
+  return connections;
 }
 
 int NginxServer::requests_logged(const std::string& path) const {

@@ -49,6 +49,8 @@ class NginxServer {
   int requests_logged(const std::string& path) const;
   // The statuses of those requests, in log order (200, 206, ...).
   std::vector<int> statuses_logged(const std::string& path) const;
+  // The connections they came on (nginx's serial numbers), in log order.
+  std::vector<uint64_t> connections_logged(const std::string& path) const;
   // A request on a new connection, answered (with a 404) only after the
   // worker has logged every request it answered before. Does nothing while
   // the server is stopped.

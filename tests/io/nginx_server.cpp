@@ -218,40 +218,37 @@ void NginxServer::sync_log() const {
   ::close(fd);
 }
 
-std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
+std::vector<std::string> NginxServer::requests_in_log(const std::string& path) const {
   sync_log();
   const std::string log = read_text(dir_ + "/access.log");
   const std::string needle = "\"GET " + path + " ";
-  std::vector<int> statuses;
+  std::vector<std::string> requests;  // each from its request line to the end of its log line
   for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
-    const size_t quote = log.find('"', at + needle.size());  // the request line's end, then " 206 "
-    if (quote != std::string::npos) statuses.push_back(std::atoi(log.c_str() + quote + 2));
+    requests.push_back(log.substr(at, log.find('\n', at) - at));
+  }
+  return requests;
+}
+
+std::vector<int> NginxServer::statuses_logged(const std::string& path) const {
+  std::vector<int> statuses;
+  for (const std::string& request : requests_in_log(path)) {
+    const size_t quote = request.find('"', 1);  // the request line's end, then " 206 "
+    if (quote != std::string::npos) statuses.push_back(std::atoi(request.c_str() + quote + 2));
   }
   return statuses;
 }
 
 std::vector<uint64_t> NginxServer::connections_logged(const std::string& path) const {
-  sync_log();
-  const std::string log = read_text(dir_ + "/access.log");
-  const std::string needle = "\"GET " + path + " ";
   std::vector<uint64_t> connections;
-  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
-    const size_t line_end = log.find('\n', at);
-    const size_t field = log.find(" connection=", at);
-    if (field != std::string::npos && field < line_end) {
-      connections.push_back(std::strtoull(log.c_str() + field + 12, nullptr, 10));
-    }
+  for (const std::string& request : requests_in_log(path)) {
+    const size_t field = request.rfind(" connection=");
+    if (field != std::string::npos) connections.push_back(std::strtoull(request.c_str() + field + 12, nullptr, 10));
   }
   return connections;
 }
 
 int NginxServer::requests_logged(const std::string& path) const {
-  sync_log();
-  const std::string log = read_text(dir_ + "/access.log");
-  const std::string needle = "\"GET " + path + " ";
-  int count = 0;
-  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) ++count;
-  return count;
+  return static_cast<int>(requests_in_log(path).size());
 }
 
 }  // namespace conveyor::test

@@ -58,6 +58,8 @@ class NginxServer {
 
  private:
   void start_on(uint16_t port);  // 0: a free one
+  // The access log's lines for GETs of `path`, each from its request line on.
+  std::vector<std::string> requests_in_log(const std::string& path) const;
 
   std::string dir_, www_;
   uint16_t port_ = 0;

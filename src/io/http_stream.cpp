@@ -146,22 +146,18 @@ class HttpStream final : public ByteStream {
   // of at most kDrainBytes is read and dropped instead, for at most
   // kDrainTime; a failure meanwhile closes the connection as before.
   ~HttpStream() override {
-    if (done_ || failure_ || retry_at_ || !lease_.in_multi || !size_ || *size_ - received_ > kDrainBytes) return;
+    // Not in the multi handle: done, failed, or waiting to retry.
+    if (failure_ || !lease_.in_multi || !size_ || *size_ - received_ > kDrainBytes) return;
     try {
       draining_ = true;
+      if (paused_) {
+        paused_ = false;
+        curl_easy_pause(connection_.easy, CURLPAUSE_CONT);  // draining: never paused again
+      }
       const auto deadline = std::chrono::steady_clock::now() + kDrainTime;
-      while (!done_ && !retry_at_ && std::chrono::steady_clock::now() < deadline) {
-        if (paused_) {
-          paused_ = false;
-          curl_easy_pause(connection_.easy, CURLPAUSE_CONT);
-        }
-        int running = 0;
-        if (curl_multi_perform(connection_.multi, &running) != CURLM_OK) return;
-        int left = 0;
-        while (CURLMsg* message = curl_multi_info_read(connection_.multi, &left)) {
-          if (message->msg == CURLMSG_DONE) finish(message->data.result);  // may throw: the stream failed
-        }
-        if (!done_) curl_multi_poll(connection_.multi, nullptr, 0, 1, nullptr);
+      while (lease_.in_multi && std::chrono::steady_clock::now() < deadline) {
+        perform();  // throws when the attempt fails for good
+        if (lease_.in_multi) curl_multi_poll(connection_.multi, nullptr, 0, 1, nullptr);
       }
     } catch (...) {
     }
@@ -223,15 +219,21 @@ class HttpStream final : public ByteStream {
         retry_at_.reset();
         start_attempt();
       }
-      int running = 0;
-      const CURLMcode code = curl_multi_perform(connection_.multi, &running);
-      if (code != CURLM_OK) fail(std::string("curl_multi_perform: ") + curl_multi_strerror(code));
-      int left = 0;
-      while (CURLMsg* message = curl_multi_info_read(connection_.multi, &left)) {
-        if (message->msg == CURLMSG_DONE) finish(message->data.result);
-      }
+      perform();
       if (ready() || done_ || failure_ || retry_at_) continue;
       curl_multi_poll(connection_.multi, nullptr, 0, 1000, nullptr);
+    }
+  }
+
+  // Moves the transfer on as far as it can without waiting; an attempt that
+  // ended is finished (a final failure throws).
+  void perform() {
+    int running = 0;
+    const CURLMcode code = curl_multi_perform(connection_.multi, &running);
+    if (code != CURLM_OK) fail(std::string("curl_multi_perform: ") + curl_multi_strerror(code));
+    int left = 0;
+    while (CURLMsg* message = curl_multi_info_read(connection_.multi, &left)) {
+      if (message->msg == CURLMSG_DONE) finish(message->data.result);
     }
   }
 

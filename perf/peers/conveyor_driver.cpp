@@ -21,6 +21,8 @@
 //   shard paths | untar | group_by_key | batch | map(decode + augment + collate)
 // With --pipeline limit ("decode-limit") W threads run the decode, augment
 // and collate on samples already in memory, with no loader: the CPU's limit.
+// W5's --shards may be http(s):// URLs for the loader and both graphs, read
+// through http_opener (peers "conveyor-http", "conveyor-nodes-batched-http").
 //
 // W6 (W6-http, peer "conveyor"): the Fashion-MNIST test JPEGs as
 // single objects over HTTP, --in-flight GETs outstanding on the consumer's
@@ -133,24 +135,35 @@ conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
   return conveyor::decode_class_sample(sample, {.channels = 1, .num_classes = 10});
 }
 
+bool any_url(const std::vector<std::string>& shards) {
+  return std::any_of(shards.begin(), shards.end(),
+                     [](const std::string& s) { return s.starts_with("http://") || s.starts_with("https://"); });
+}
+
+// How W5's shards are opened: local paths as files; URLs streamed, as the
+// trainer's --shards URL, with a fixed 2 MiB receive buffer: the server is on
+// the loopback, where that beat the kernel's autotuning by 3-4%
+// (perf/README.md; 0, autotuning, is the default). Empty when URLs cannot be
+// read in this build (no conveyor::io), with a message.
+std::optional<conveyor::StreamOpener> w5_opener(const std::vector<std::string>& shards) {
+  if (!any_url(shards)) return conveyor::StreamOpener{};
+#if CONVEYOR_PERF_HAVE_IO
+  return conveyor::nodes::http_opener({.receive_buffer = uint64_t{2} << 20});
+#else
+  std::fprintf(stderr, "conveyor_driver: shard URLs need conveyor::io (libcurl), not built here\n");
+  return std::nullopt;
+#endif
+}
+
 int run_w5(perf::Args args) {
   conveyor::TarShardOptions shard_options;
   shard_options.shards = args.shards;
   shard_options.shuffle_shards = false;
   shard_options.shuffle_buffer = 0;
   shard_options.required_fields = {"jpg", "cls"};
-  if (std::any_of(args.shards.begin(), args.shards.end(),
-                  [](const std::string& s) { return s.starts_with("http://") || s.starts_with("https://"); })) {
-#if CONVEYOR_PERF_HAVE_IO
-    // Streamed, as the trainer's --shards URL, with a fixed 2 MiB receive
-    // buffer: the server is on the loopback, where that beat the kernel's
-    // autotuning by 3-4% (perf/README.md; 0, autotuning, is the default).
-    shard_options.open = conveyor::nodes::http_opener({.receive_buffer = uint64_t{2} << 20});
-#else
-    std::fprintf(stderr, "conveyor_driver: shard URLs need conveyor::io (libcurl), not built here\n");
-    return 2;
-#endif
-  }
+  auto opener = w5_opener(args.shards);
+  if (!opener) return 2;
+  shard_options.open = std::move(*opener);
   auto shards = std::make_shared<conveyor::TarShardDataset>(shard_options);
   auto decoded = conveyor::map(
       shards, [](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
@@ -164,11 +177,14 @@ int drive_w5_pipeline(perf::Args args, P& pipeline);
 
 int run_w5_nodes(perf::Args args) {
   namespace nodes = conveyor::nodes;
+  auto opener = w5_opener(args.shards);
+  if (!opener) return 2;
+  const nodes::UntarOptions untar_options{.open = std::move(*opener)};
   if (args.pipeline == "nodes-batched") {
     // Batches of encoded samples go to the workers, which decode, augment
     // and collate them: the consumer's thread only reads the tar.
     auto pipeline =
-        nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key() |
+        nodes::from_vector(args.shards) | nodes::untar(untar_options) | nodes::group_by_key() |
         nodes::batch(static_cast<size_t>(args.batch_size)) |
         nodes::map(
             [](std::vector<conveyor::ShardSample>&& encoded) {
@@ -186,7 +202,7 @@ int run_w5_nodes(perf::Args args) {
             {.workers = args.workers});
     return drive_w5_pipeline(args, pipeline);
   }
-  auto pipeline = nodes::from_vector(args.shards) | nodes::untar() | nodes::group_by_key() |
+  auto pipeline = nodes::from_vector(args.shards) | nodes::untar(untar_options) | nodes::group_by_key() |
                   nodes::map([](conveyor::ShardSample&& s) { return augment(decode(std::move(s))); },
                              {.workers = args.workers, .on_error = conveyor::OnError::skip}) |
                   nodes::batch(static_cast<size_t>(args.batch_size)) | nodes::collate();

@@ -21,7 +21,8 @@ import w4_model  # beside this file
 MIB = 1024 * 1024
 W3_LATENCY_US = 1000.0  # W3's nominal latency per sample
 ORDER = ["W0", "W1", "W2", "W3", "W4", "W5", "W6"]
-PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-http", "libtorch", "python"]
+PEERS = ["conveyor-torch", "conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-http",
+         "conveyor-nodes-batched-http", "libtorch", "python"]
 CONVEYORS = ("conveyor", "conveyor-torch")
 # What each conveyor peer runs when the suite names no mode: the library's
 # defaults (work stealing, in order). W4 runs native conveyor in all four
@@ -373,6 +374,9 @@ class Report:
         self.ratio_target("W5 from HTTP (the same shards streamed from a local nginx, http_opener) "
                           ">= 0.9x from local disk", "W5", self.workers_of("W5"),
                           peer("conveyor-http", "W5"), conveyor("W5"), 0.9)
+        self.ratio_target("W5 from HTTP as the batched node graph >= 0.9x the same graph from local disk", "W5",
+                          self.workers_of("W5"), peer("conveyor-nodes-batched-http", "W5"),
+                          peer("conveyor-nodes-batched", "W5"), 0.9)
         # Native samples: against the loader-free cost of the same work.
         self.ratio_target("native samples: W0 against a bare loop of the same work (reported, no target)", "W0",
                           self.workers_of("W0"), conveyor("W0"), limit("W0"), 0)

@@ -49,6 +49,10 @@ W4_TORCH_MODES = [(None, None), ("round_robin", 1)]
 # Where each peer runs: conveyor-torch has no W5 (W5's samples are the
 # decoder's own in both C++ peers).
 TORCH_SAMPLE_WORKLOADS = ("W0", "W1", "W2", "W3", "W4")
+# W5 as a node graph batching before its workers, from disk and over HTTP.
+NODE_GRAPH_PEERS = ("conveyor-nodes-batched", "conveyor-nodes-batched-http")
+# W5 with its shards streamed from a local nginx: the DataLoader, the graph.
+HTTP_PEERS = ("conveyor-http", "conveyor-nodes-batched-http")
 NAMES = {"W0": "tiny (8-byte samples)", "W1": "overhead-bound (in-memory 3x32x32 float32)",
          "W2": "CPU-bound (~50 us of arithmetic per sample)", "W3": "latency-bound (1 ms sleep per sample)",
          "W4": "stragglers (50 us, every 100th sample 20 ms)",
@@ -146,7 +150,8 @@ class Suite:
         self.warmup = env_float("PERF_WARMUP", 1.0)
         self.workloads = env_list("PERF_WORKLOADS", ["W0", "W1", "W2", "W3", "W4", "W5", "W6"])
         self.peers = env_list("PERF_PEERS", ["conveyor", "conveyor-torch", "conveyor-nodes", "conveyor-nodes-batched",
-                                             "conveyor-async", "conveyor-http", "libtorch", "python"])
+                                             "conveyor-async", "conveyor-http", "conveyor-nodes-batched-http", "libtorch",
+                                             "python"])
         self.shards = [s for s in os.environ.get("PERF_W5_SHARDS", "").split(",") if s]
         self.objects_pattern = ""  # W6's URLs, set once nginx serves them
         self.python = os.environ.get("PERF_PYTHON", "/usr/bin/python3")
@@ -176,10 +181,12 @@ class Suite:
             common += ["--objects", self.objects_pattern]
             if peer == "conveyor":
                 common += ["--in-flight", str(W6_IN_FLIGHT)]
-        if peer in ("conveyor-nodes", "conveyor-nodes-batched"):
-            return [self.binary("conveyor_driver")] + common + ["--pipeline", peer.removeprefix("conveyor-")]
-        if peer == "conveyor-http":  # the loader over the same shards' URLs (started in run())
+        if peer in HTTP_PEERS:  # the same shards' URLs (the server is started in run())
             common[common.index("--shards") + 1] = ",".join(self.http_server.urls(self.shards))
+        if peer in ("conveyor-nodes", "conveyor-nodes-batched", "conveyor-nodes-batched-http"):
+            pipeline = peer.removeprefix("conveyor-").removesuffix("-http")
+            return [self.binary("conveyor_driver")] + common + ["--pipeline", pipeline]
+        if peer == "conveyor-http":
             return [self.binary("conveyor_driver")] + common
         if peer == "conveyor-async":  # `workers` is the requests in flight
             common[common.index("--workers") + 1] = "0"
@@ -197,15 +204,16 @@ class Suite:
         return [self.python, os.path.join(ROOT, "perf", "peers", "python_driver.py")] + common
 
     def available(self, peer, workload):
-        if peer in ("conveyor", "conveyor-nodes", "conveyor-nodes-batched", "conveyor-async") and not self.binary("conveyor_driver"):
+        if peer in ("conveyor", "conveyor-nodes", "conveyor-async") + NODE_GRAPH_PEERS + HTTP_PEERS and \
+                not self.binary("conveyor_driver"):
             return "conveyor_driver was not built"
         if peer == "conveyor-async" and workload != "W3":
             return "the async peer runs W3 only (W3-async)"
-        if peer in ("conveyor-nodes", "conveyor-nodes-batched") and workload != "W5":
+        if peer in ("conveyor-nodes",) + NODE_GRAPH_PEERS and workload != "W5":
             return "the node-graph peer runs W5 only"
-        if peer == "conveyor-http":
+        if peer in HTTP_PEERS:
             if workload != "W5":
-                return "the HTTP peer runs W5 only (its shards streamed from a local nginx)"
+                return "the HTTP peers run W5 only (its shards streamed from a local nginx)"
             if not NginxServer.binary():
                 return "nginx is not installed (Debian: nginx-light; scripts/setup installs it)"
         if peer == "conveyor-torch":
@@ -388,7 +396,7 @@ class Suite:
         if not self.time_bin:
             self.notes.append("/usr/bin/time is missing (Debian package `time`): no peak RSS or CPU totals")
         self.calibrate()
-        serve_w5 = "conveyor-http" in self.peers and "W5" in self.workloads
+        serve_w5 = any(p in self.peers for p in HTTP_PEERS) and "W5" in self.workloads
         serve_w6 = "W6" in self.workloads
         self.http_server = NginxServer(self.shards) if (serve_w5 or serve_w6) and self.shards else None
         try:

@@ -21,6 +21,7 @@
 #include <new>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "conveyor/detail/check.h"
 #include "conveyor/transfer.h"
@@ -46,6 +47,10 @@ struct alignas(kAlignment) Block {
   // holds the block's buffer.
   void* device_twin = nullptr;
   TransferEvent last_copy;
+  // What still reads the twin after its host buffer came back
+  // (DeviceBatch::keep_until): its next copy waits for these, and the twin
+  // is freed only after them. Cleared once that copy is queued.
+  std::vector<TransferEvent> kept_until;
   alignas(16) std::byte control[kControlBytes];  // the shared_ptr's control block
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + sizeof(Block); }
@@ -77,6 +82,7 @@ struct PoolState {
 
   void delete_block(Block* block) noexcept {
     block->last_copy.synchronize();  // a copy may still read it
+    for (const TransferEvent& use : block->kept_until) use.synchronize();  // work may still read the twin
     if (block->device_twin) device->free_device(block->device_twin);
     block->~Block();
     if (device) {
@@ -283,7 +289,7 @@ std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner) {
   Block* block = tag->block;
   if (!block->pool || !block->pool->device) return std::nullopt;  // a heap pool
   if (block->device_twin == nullptr) block->device_twin = block->pool->device->allocate_device(block->capacity());
-  return DeviceTwin{block->data(), block->device_twin, block->capacity(), &block->last_copy};
+  return DeviceTwin{block->data(), block->device_twin, block->capacity(), &block->last_copy, &block->kept_until};
 }
 
 }  // namespace conveyor::detail

@@ -1,12 +1,13 @@
 // The host stand-in transfer device: "device" memory is heap memory and the
-// copy stream is one thread doing memcpy in order, completing events as it
-// reaches them. Lets CI (no GPU) exercise ordering, overlap, buffer recycling
+// copy stream is one thread doing memcpy in order, completing events and
+// waiting for others (wait_for) as it reaches them. Lets CI (no GPU) exercise ordering, overlap, buffer recycling
 // and shutdown of the transfer stage.
 #include <blockingconcurrentqueue.h>
 
 #include <atomic>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <thread>
 
 #include "conveyor/transfer.h"
@@ -56,6 +57,8 @@ class HostStandinDevice final : public TransferDevice {
     queue_.enqueue(Op{.event = event});
     return TransferEvent(std::move(event));
   }
+  // The copy thread waits for it in turn, as a stream waits on an event.
+  void wait_for(const TransferEvent& event) override { queue_.enqueue(Op{.wait = event}); }
 
  private:
   struct Op {
@@ -63,6 +66,7 @@ class HostStandinDevice final : public TransferDevice {
     const void* host = nullptr;
     size_t bytes = 0;
     std::shared_ptr<StandinEvent> event{};
+    std::optional<TransferEvent> wait{};
     bool stop = false;
   };
 
@@ -74,6 +78,9 @@ class HostStandinDevice final : public TransferDevice {
       if (op.event) {
         op.event->complete();
         op.event.reset();
+      } else if (op.wait) {
+        op.wait->synchronize();
+        op.wait.reset();
       } else {
         std::memcpy(op.device, op.host, op.bytes);
       }

@@ -32,6 +32,17 @@ int device_count() noexcept;
 // Device `index` for the transfer stage. Throws CudaError.
 std::shared_ptr<TransferDevice> make_device(int index = 0);
 
+// An event completing once the work queued so far on `stream` (a
+// cudaStream_t of the current device; nullptr: the legacy default stream)
+// has, for DeviceBatch::keep_until:
+//
+//   cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(copy.ready.native()), 0);
+//   ... kernels on `stream` read copy.buffers ...
+//   copy.keep_until(conveyor::cuda::record_event(stream));
+//
+// Throws CudaError.
+TransferEvent record_event(void* stream);
+
 // make_device(index) when a CUDA device is there. Otherwise one warning and
 // the host stand-in if `standin_fallback`, else nullptr.
 std::shared_ptr<TransferDevice> select_transfer_device(int index = 0, bool standin_fallback = false);

@@ -12,8 +12,10 @@
 // batch next() just returned (one buffer per host buffer, in
 // transfer_traits order) and its ready event. Make the consumer's stream wait
 // on the event (cudaStreamWaitEvent on native()); synchronize() is the host
-// fallback. Device buffers belong to their host buffers: keep the host batch
-// alive while the device copy is in use.
+// fallback. Device buffers belong to their host buffers and are written again
+// by a later batch's copy once the host batch is released. Work still queued
+// on the device that reads them then needs DeviceBatch::keep_until (PyTorch's
+// Tensor.record_stream): later copies into that memory wait for it.
 #pragma once
 
 #include <array>
@@ -80,6 +82,11 @@ class TransferDevice {
   virtual void copy_to_device(void* device, const void* host, size_t bytes) = 0;
   // An event completing once every copy queued so far has.
   virtual TransferEvent record() = 0;
+  // Copies queued after this call start once `event` has completed. CUDA's
+  // copy stream waits on the device (cudaStreamWaitEvent), the stand-in's
+  // copy thread on the host; this default blocks the calling thread until
+  // then, which is correct for any device.
+  virtual void wait_for(const TransferEvent& event) { event.synchronize(); }
 };
 
 // The host stand-in: "device" memory is ordinary heap memory, copies are
@@ -93,10 +100,34 @@ struct DeviceBuffer {
   size_t bytes = 0;
 };
 
+namespace detail {
+// Where one batch's device memory keeps the events it must outlive
+// (DeviceBatch::keep_until): a list per pooled device twin, which the twin's
+// next copy waits for, and per scratch buffer, freed only after them. The
+// twins' lists live in their pool blocks and are valid while the host batch
+// is held; `scratch` keeps the scratch buffers' alive.
+struct DeviceCopyUses {
+  std::vector<std::vector<TransferEvent>*> lists;
+  std::vector<std::shared_ptr<void>> scratch;
+};
+}  // namespace detail
+
 // The device copy of one batch.
 struct DeviceBatch {
   std::vector<DeviceBuffer> buffers;  // in transfer_traits order
   TransferEvent ready;
+  std::shared_ptr<detail::DeviceCopyUses> uses;  // set by the transfer stage
+
+  // The device memory of this copy is read by work that completes with
+  // `done` (conveyor::cuda::record_event(stream) for a CUDA stream): no later
+  // copy writes it, and no scratch buffer of it is freed, before `done` has
+  // completed, even after the host batch is released. Call it while the host
+  // batch is held, after queueing that work; each call adds an event, kept
+  // until the memory's next copy.
+  void keep_until(const TransferEvent& done) const {
+    if (!uses) return;
+    for (std::vector<TransferEvent>* list : uses->lists) list->push_back(done);
+  }
 
   // The device copy of host memory `host` (nullptr if none).
   void* find(const void* host) const noexcept {

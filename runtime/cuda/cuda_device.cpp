@@ -130,6 +130,18 @@ class CudaDevice final : public TransferDevice {
     CONVEYOR_CUDA(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_));
   }
 
+  // A CUDA event (from any device) is waited for on the copy stream; any
+  // other on the host.
+  void wait_for(const TransferEvent& event) override {
+    if (event.ready()) return;
+    if (void* native = event.native()) {
+      CONVEYOR_CUDA(cudaSetDevice(index_));
+      CONVEYOR_CUDA(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(native), 0));
+    } else {
+      event.synchronize();
+    }
+  }
+
   TransferEvent record() override {
     CONVEYOR_CUDA(cudaSetDevice(index_));
     cudaEvent_t event = events_->take();
@@ -147,7 +159,37 @@ class CudaDevice final : public TransferDevice {
   std::shared_ptr<EventPool> events_;
 };
 
+// An event recorded on a stream of the caller's (record_event), destroyed
+// with the last TransferEvent copy: once it has completed, on the device.
+class StreamEvent final : public detail::EventState {
+ public:
+  explicit StreamEvent(cudaEvent_t event) : event_(event) {}
+  ~StreamEvent() override { tolerate(cudaEventDestroy(event_), "cudaEventDestroy"); }
+  bool query() override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) return false;
+    CONVEYOR_CUDA(status);
+    return true;
+  }
+  void synchronize() override { CONVEYOR_CUDA(cudaEventSynchronize(event_)); }
+  void* native() noexcept override { return static_cast<void*>(event_); }
+
+ private:
+  cudaEvent_t event_;
+};
+
 }  // namespace
+
+TransferEvent record_event(void* stream) {
+  cudaEvent_t event = nullptr;
+  CONVEYOR_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  const cudaError_t status = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+  if (status != cudaSuccess) {
+    tolerate(cudaEventDestroy(event), "cudaEventDestroy");
+    fail(status, "cudaEventRecord", __func__);
+  }
+  return TransferEvent(std::make_shared<StreamEvent>(event));
+}
 
 int device_count() noexcept {
   int count = 0;

@@ -18,7 +18,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -190,6 +192,77 @@ TEST(GpuTransfer, ACopyStillRunningAtHandOutIsReadOnlyAfterItsEvent) {
   }
   EXPECT_EQ(batches, 12);
   EXPECT_GT(running_at_handout, 0) << "no copy was still running when handed out: the race went untested";
+}
+
+// A trainer's stream still reading a device copy after its host batch went
+// back to the pool: keep_until(record_event(stream)) makes the copy that
+// reuses the twin wait for it. The "kernel" is a host function that holds
+// the trainer's stream until the test lets it go; the twin is read meanwhile
+// on a third stream, which waits on nothing.
+TEST(GpuTransfer, AKeptCopyIsNotOverwrittenWhileTheTrainersStreamStillReadsIt) {
+  REQUIRE_CUDA_DEVICE();
+  const int64_t width = 16 * 1024;  // 64 KiB samples, 1 MiB batches
+  WideDataset dataset(kBatch * 60, width);
+  auto device = conveyor::cuda::make_device(0);
+  conveyor::DataLoader loader(dataset, gpu_options(device, 2, 2));
+  cudaStream_t trainer = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
+  std::atomic<int> release{0};
+  auto first_values = std::vector<int32_t>(static_cast<size_t>(kBatch * width));
+  auto let_go = [&release] {
+    release.store(1);
+    release.notify_all();
+  };
+  {
+    auto epoch = loader.iter();
+    // Lets the trainer's stream go on every way out, before the epoch (and
+    // pool) it would otherwise keep waiting.
+    struct LetGo {
+      std::function<void()> go;
+      ~LetGo() { go(); }
+    } on_exit{let_go};
+    auto first = epoch.next();
+    ASSERT_TRUE(first.has_value());
+    const conveyor::DeviceBatch& copy = epoch.device();
+    const int32_t* twin = copy.find(*first);
+    ASSERT_NE(twin, nullptr);
+    std::memcpy(first_values.data(), first->data(), first_values.size() * sizeof(int32_t));
+    ASSERT_EQ(cudaStreamWaitEvent(trainer, static_cast<cudaEvent_t>(copy.ready.native()), 0), cudaSuccess);
+    ASSERT_EQ(cudaLaunchHostFunc(
+                  trainer,
+                  [](void* flag) {
+                    auto* go = static_cast<std::atomic<int>*>(flag);
+                    while (go->load() == 0) go->wait(0);
+                  },
+                  &release),
+              cudaSuccess);
+    copy.keep_until(conveyor::cuda::record_event(trainer));
+    first.reset();
+    std::optional<conveyor::Array<int32_t>> reuser;
+    for (int i = 0; i < 50 && !reuser; ++i) {
+      auto batch = epoch.next();
+      ASSERT_TRUE(batch.has_value()) << "the pool never reused the kept batch's buffer";
+      if (epoch.device().find(*batch) == twin) reuser = std::move(batch);
+    }
+    ASSERT_TRUE(reuser.has_value());
+    EXPECT_FALSE(epoch.device().ready.ready()) << "the copy into the twin did not wait for the trainer";
+    std::vector<int32_t> on_device(first_values.size());
+    cudaStream_t reader = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(on_device.data(), twin, on_device.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                              reader),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(reader), cudaSuccess);
+    cudaStreamDestroy(reader);
+    EXPECT_EQ(on_device, first_values) << "the twin was rewritten while the trainer's stream still read it";
+    let_go();
+    ConsumerStream consumer;
+    EXPECT_TRUE(consumer.all_match(epoch.device())) << "the reusing batch, once the trainer let go";
+    while (epoch.next()) {
+    }
+  }
+  EXPECT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
+  cudaStreamDestroy(trainer);
 }
 
 TEST(GpuTransfer, ThePinnedPoolIsBoundedAndEveryDeviceByteGoesBackToTheDriver) {

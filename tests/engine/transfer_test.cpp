@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -109,6 +110,74 @@ TEST(Transfer, ABufferIsReusedOnlyAfterItsBatchIsReleased) {
   size_t reused = 0;
   for (const void* memory : held_memory) reused += seen_after.count(memory);
   EXPECT_GT(reused, 0u) << "released buffers go back to the pool";
+}
+
+// The consumer's own work may still read a device copy after its host batch
+// is released: keep_until makes the next copy into that memory wait for it
+// (PyTorch's Tensor.record_stream).
+TEST(Transfer, AKeptDeviceCopyIsNotOverwrittenBeforeTheWorkReadingItCompletes) {
+  RangeDataset dataset(kBatch * 200);
+  auto device = std::make_shared<TestDevice>(conveyor::make_host_standin_device());
+  conveyor::DataLoader loader(dataset, transfer_options(device, 2, 2));
+  auto epoch = loader.iter();
+  auto first = epoch.next();
+  ASSERT_TRUE(first.has_value());
+  const conveyor::DeviceBatch& first_copy = epoch.device();
+  first_copy.ready.synchronize();
+  const int64_t* twin = first_copy.find(*first);
+  ASSERT_NE(twin, nullptr);
+  const std::vector<int64_t> first_values(first->values().begin(), first->values().end());
+  auto reading = std::make_shared<conveyor::testing::ManualEvent>();  // a kernel still reading `twin`
+  first_copy.keep_until(conveyor::TransferEvent(reading));
+  const size_t ops_at_keep = device->ops().size();
+  first.reset();  // the host batch goes back to the pool; its twin with it
+
+  // Batches until one is copied into the same twin (the pool recycles).
+  std::optional<conveyor::Array<int64_t>> reuser;
+  for (int i = 0; i < 150 && !reuser; ++i) {
+    auto batch = epoch.next();
+    ASSERT_TRUE(batch.has_value()) << "the pool never reused the kept batch's buffer";
+    if (epoch.device().find(*batch) == twin) reuser = std::move(batch);
+  }
+  ASSERT_TRUE(reuser.has_value());
+  const conveyor::DeviceBatch& reuser_copy = epoch.device();
+  // The copy into the twin waits behind the work: not done, and the twin
+  // still holds the first batch.
+  EXPECT_FALSE(reuser_copy.ready.ready());
+  EXPECT_EQ(std::memcmp(twin, first_values.data(), first_values.size() * sizeof(int64_t)), 0);
+  const std::vector<TestDevice::Op> ops = device->ops();
+  bool waited = false;
+  for (size_t i = ops_at_keep; i < ops.size(); ++i) {
+    if (ops[i].what == "wait") waited = true;
+    if (ops[i].what == "copy" && ops[i].device == twin) {
+      EXPECT_TRUE(waited) << "the twin was copied into without waiting for the work kept on it";
+      break;
+    }
+  }
+  reading->complete();  // the kernel finishes: the copy goes ahead
+  reuser_copy.ready.synchronize();
+  EXPECT_EQ(std::memcmp(twin, reuser->data(), reuser->numel() * sizeof(int64_t)), 0);
+  EXPECT_GE(reading->waits.load(), 1) << "the stand-in's copy thread waited for the work";
+  while (epoch.next()) {
+  }
+}
+
+// Work kept on a twin that is never copied into again: the pool frees the
+// twin only after waiting for it.
+TEST(Transfer, APoolFreesATwinOnlyAfterTheWorkKeptOnIt) {
+  RangeDataset dataset(kBatch * 20);
+  auto device = std::make_shared<TestDevice>(conveyor::make_host_standin_device());
+  auto reading = std::make_shared<conveyor::testing::ManualEvent>(/*done_when_waited_for=*/true);
+  {
+    conveyor::DataLoader loader(dataset, transfer_options(device, 2, 2));
+    auto epoch = loader.iter();
+    std::optional<conveyor::Array<int64_t>> last;
+    while (auto batch = epoch.next()) last = std::move(batch);
+    ASSERT_TRUE(last.has_value());
+    epoch.device().keep_until(conveyor::TransferEvent(reading));
+  }
+  EXPECT_EQ(device->live_device.load(), 0);
+  EXPECT_GE(reading->waits.load(), 1) << "the twin was freed without waiting for the work kept on it";
 }
 
 TEST(Transfer, DestroyingTheEpochMidCopyReleasesEverything) {

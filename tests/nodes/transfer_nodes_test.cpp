@@ -100,6 +100,32 @@ TEST(ToDevice, MemoryFromOutsideThePoolGoesThroughScratchBuffersFreedWithTheItem
   EXPECT_EQ(device->live_device.load(), 0);
 }
 
+// A scratch buffer read by work kept on it (keep_until) is freed only after
+// that work: its destructor waits for the event before the device frees it.
+TEST(ToDevice, AScratchBufferWithWorkKeptOnItIsFreedOnlyAfterThatWork) {
+  auto device = test_device();
+  auto reading = std::make_shared<conveyor::testing::ManualEvent>(/*done_when_waited_for=*/true);
+  const void* scratch = nullptr;
+  {
+    auto pipeline = nodes::from_range(0, kBatch * 6) | nodes::batch(kBatch) | nodes::collate() |
+                    nodes::to_device(device, 2);
+    auto pass = pipeline.pass();
+    auto first = pass.next();
+    ASSERT_TRUE(first.has_value());
+    expect_copied(*first);
+    scratch = first->device.buffers.at(0).device;
+    first->device.keep_until(conveyor::TransferEvent(reading));
+    first.reset();
+    while (pass.next()) {
+    }
+  }
+  bool freed = false;
+  for (const TestDevice::Op& op : device->ops()) freed = freed || (op.what == "free" && op.device == scratch);
+  EXPECT_TRUE(freed);
+  EXPECT_GE(reading->waits.load(), 1) << "the scratch buffer was freed without waiting for the work on it";
+  EXPECT_EQ(device->live_device.load(), 0);
+}
+
 TEST(ToDevice, UpstreamAndCopyErrorsKeepTheirPlaceAndThePassGoesOn) {
   auto device = test_device();
   auto fail_third = [](std::vector<int64_t>&& batch) {

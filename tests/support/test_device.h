@@ -1,15 +1,43 @@
 // A transfer device for tests: wraps another (the host stand-in), counts
-// what it allocates and can fail a copy or a device allocation on demand.
+// what it allocates, logs what it is asked to do and can fail a copy or a
+// device allocation on demand. ManualEvent stands for the consumer's own
+// work on the device.
 #pragma once
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <conveyor/transfer.h>
 
 namespace conveyor::testing {
+
+// Work on the device that the test finishes: complete(). synchronize() waits
+// for that, unless made with `done_when_waited_for`: then waiting is what
+// completes it (work that has finished by the time anyone asks), and counts.
+class ManualEvent final : public conveyor::detail::EventState {
+ public:
+  explicit ManualEvent(bool done_when_waited_for = false) : done_when_waited_for_(done_when_waited_for) {}
+  bool query() override { return done_.load(std::memory_order_acquire) != 0; }  // pairs with complete()
+  void synchronize() override {
+    waits.fetch_add(1);
+    if (done_when_waited_for_) complete();
+    while (done_.load(std::memory_order_acquire) == 0) done_.wait(0, std::memory_order_acquire);
+  }
+  void* native() noexcept override { return nullptr; }
+  void complete() {
+    done_.store(1, std::memory_order_release);
+    done_.notify_all();
+  }
+  std::atomic<int> waits{0};
+
+ private:
+  const bool done_when_waited_for_;
+  std::atomic<int> done_{0};
+};
 
 // Wraps a device: counts what it allocates, optionally fails, optionally
 // holds copies at a gate (its own in-order stream thread).
@@ -35,14 +63,31 @@ class TestDevice final : public conveyor::TransferDevice {
   }
   void free_device(void* memory) noexcept override {
     live_device.fetch_sub(1);
+    note("free", memory);
     inner_->free_device(memory);
   }
   void copy_to_device(void* device, const void* host, size_t bytes) override {
     const int n = copies.fetch_add(1);
     if (fail_copy_number.load() == n) throw std::runtime_error("copy engine fault (test)");
+    note("copy", device);
     inner_->copy_to_device(device, host, bytes);
   }
   conveyor::TransferEvent record() override { return inner_->record(); }
+  void wait_for(const conveyor::TransferEvent& event) override {
+    note("wait", nullptr);
+    inner_->wait_for(event);
+  }
+
+  // What the device was asked, in order: "copy" (into the device address),
+  // "wait" (wait_for), "free" (a device buffer).
+  struct Op {
+    std::string what;
+    const void* device = nullptr;
+  };
+  std::vector<Op> ops() const {
+    std::lock_guard lock(ops_mutex_);
+    return ops_;
+  }
 
   std::atomic<int> pinned_allocations{0}, live_pinned{0};
   std::atomic<int> device_allocations{0}, live_device{0};
@@ -51,7 +96,17 @@ class TestDevice final : public conveyor::TransferDevice {
   std::atomic<bool> fail_device_allocation{false};
 
  private:
+  void note(const char* what, const void* device) noexcept {
+    try {
+      std::lock_guard lock(ops_mutex_);
+      ops_.push_back(Op{what, device});
+    } catch (...) {
+    }
+  }
+
   std::shared_ptr<conveyor::TransferDevice> inner_;
+  mutable std::mutex ops_mutex_;
+  std::vector<Op> ops_;
 };
 
 }  // namespace conveyor::testing

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "conveyor/buffer.h"
 #include "conveyor/transfer.h"
@@ -35,7 +36,9 @@ std::shared_ptr<std::byte> allocate_heap_buffer(size_t bytes);
 
 // The same over page-locked memory from `device`. Each buffer gets a device
 // twin of its capacity on its first transfer, reused with it; a buffer is not
-// handed out again before the device has finished reading it.
+// handed out again before the device has finished reading it, and its twin
+// is not copied into again before the events kept for it
+// (DeviceBatch::keep_until) have completed.
 std::shared_ptr<BufferAllocator> make_pinned_allocator(std::shared_ptr<TransferDevice> device,
                                                        size_t max_free_per_class);
 
@@ -55,12 +58,15 @@ bool is_pool_buffer(const std::shared_ptr<void>& owner);
 // heap's large side) alive.
 bool is_scalable_heap_buffer(const std::shared_ptr<void>& owner);
 
-// A pinned pool buffer's device twin, and where to record its copy's event.
+// A pinned pool buffer's device twin, where to record its copy's event, and
+// the events of work that may still read the twin (wait for them before
+// copying into it again).
 struct DeviceTwin {
   const void* host_base = nullptr;  // the start of the pool buffer
   void* device = nullptr;           // its twin, same capacity
   size_t capacity = 0;
   TransferEvent* last_copy = nullptr;
+  std::vector<TransferEvent>* kept_until = nullptr;
 };
 
 // For memory owned by `owner`: its twin if it is a pinned pool buffer

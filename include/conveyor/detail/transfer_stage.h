@@ -101,13 +101,16 @@ class TransferStage final : public LoaderNode<Batch> {
 
  private:
   // A device buffer the stage allocated for memory outside the pinned pool;
-  // freed once its copy is done and the consumer has moved on.
+  // freed once its copy is done, the consumer has moved on, and the work
+  // kept on it (DeviceBatch::keep_until) has completed.
   struct Scratch {
     std::shared_ptr<TransferDevice> device;
     void* memory = nullptr;
     TransferEvent copied;
+    std::vector<TransferEvent> kept_until;
     ~Scratch() {
       copied.synchronize();
+      for (const TransferEvent& use : kept_until) use.synchronize();
       device->free_device(memory);
     }
   };
@@ -162,6 +165,7 @@ class TransferStage final : public LoaderNode<Batch> {
 
   void queue_copies(Entry& entry) {
     std::vector<TransferEvent*> twins_copied;
+    auto uses = std::make_shared<DeviceCopyUses>();
     transfer_traits<Batch>::for_each_buffer(
         *entry.batch, [&](void* host, size_t bytes, const std::shared_ptr<void>& owner) {
           void* target = nullptr;
@@ -170,18 +174,25 @@ class TransferStage final : public LoaderNode<Batch> {
                                                     static_cast<const std::byte*>(twin->host_base));
             CONVEYOR_CHECK(offset + bytes <= twin->capacity, "a buffer beyond its pool block");
             target = static_cast<std::byte*>(twin->device) + offset;
+            // Work an earlier batch kept on this twin may still read it.
+            for (const TransferEvent& use : *twin->kept_until) device_->wait_for(use);
+            twin->kept_until->clear();
             twins_copied.push_back(twin->last_copy);
+            uses->lists.push_back(twin->kept_until);
           } else {
             auto scratch = std::make_shared<Scratch>();
             scratch->device = device_;
             scratch->memory = device_->allocate_device(bytes);
             target = scratch->memory;
+            uses->lists.push_back(&scratch->kept_until);
+            uses->scratch.push_back(scratch);
             entry.scratch.push_back(std::move(scratch));
           }
           device_->copy_to_device(target, host, bytes);
           entry.device.buffers.push_back(DeviceBuffer{host, target, bytes});
         });
     entry.device.ready = device_->record();
+    entry.device.uses = std::move(uses);
     for (TransferEvent* last_copy : twins_copied) *last_copy = entry.device.ready;
     for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
   }

@@ -11,7 +11,9 @@
 //     stream, up to `depth` items ahead of the consumer, and hands out
 //     OnDevice<T>: the host item, its device copy (buffers by host buffer,
 //     in transfer_traits order) and the event that completes with the copy.
-//     No host synchronisation: make your stream wait on `device.ready`.
+//     No host synchronisation: make your stream wait on `device.ready`, and
+//     for work that still reads the copy once the item is dropped, call
+//     `device.keep_until(event)` (conveyor/transfer.h).
 //
 // Devices: conveyor::cuda::make_device() (target conveyor::cuda), or
 // make_host_standin_device() where there is no GPU.

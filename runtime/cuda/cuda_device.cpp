@@ -40,15 +40,11 @@ void tolerate(cudaError_t status, const char* call) noexcept {
   }
 }
 
-class EventPool;
-
-// One batch's event, leased from its device's pool and returned when the
-// last TransferEvent copy goes.
-class CudaEvent final : public detail::EventState {
+// A CUDA event behind a TransferEvent; subclasses say where it goes when
+// the last TransferEvent copy does.
+class CudaEventState : public detail::EventState {
  public:
-  CudaEvent(std::shared_ptr<EventPool> pool, cudaEvent_t event, int device)
-      : pool_(std::move(pool)), event_(event), device_(device) {}
-  ~CudaEvent() override;
+  explicit CudaEventState(cudaEvent_t event) : event_(event) {}
   bool query() override {
     const cudaError_t status = cudaEventQuery(event_);
     if (status == cudaErrorNotReady) return false;
@@ -58,10 +54,20 @@ class CudaEvent final : public detail::EventState {
   void synchronize() override { CONVEYOR_CUDA(cudaEventSynchronize(event_)); }
   void* native() noexcept override { return static_cast<void*>(event_); }
 
+ protected:
+  cudaEvent_t event_;
+};
+
+class EventPool;
+
+// One batch's event, leased from its device's pool and returned to it.
+class CudaEvent final : public CudaEventState {
+ public:
+  CudaEvent(std::shared_ptr<EventPool> pool, cudaEvent_t event) : CudaEventState(event), pool_(std::move(pool)) {}
+  ~CudaEvent() override;
+
  private:
   std::shared_ptr<EventPool> pool_;
-  cudaEvent_t event_;
-  int device_;
 };
 
 class EventPool {
@@ -150,7 +156,7 @@ class CudaDevice final : public TransferDevice {
       events_->give_back(event);
       fail(status, "cudaEventRecord", __func__);
     }
-    return TransferEvent(std::make_shared<CudaEvent>(events_, event, index_));
+    return TransferEvent(std::make_shared<CudaEvent>(events_, event));
   }
 
  private:
@@ -160,22 +166,11 @@ class CudaDevice final : public TransferDevice {
 };
 
 // An event recorded on a stream of the caller's (record_event), destroyed
-// with the last TransferEvent copy: once it has completed, on the device.
-class StreamEvent final : public detail::EventState {
+// with the last TransferEvent copy (the driver releases it once complete).
+class StreamEvent final : public CudaEventState {
  public:
-  explicit StreamEvent(cudaEvent_t event) : event_(event) {}
+  using CudaEventState::CudaEventState;
   ~StreamEvent() override { tolerate(cudaEventDestroy(event_), "cudaEventDestroy"); }
-  bool query() override {
-    const cudaError_t status = cudaEventQuery(event_);
-    if (status == cudaErrorNotReady) return false;
-    CONVEYOR_CUDA(status);
-    return true;
-  }
-  void synchronize() override { CONVEYOR_CUDA(cudaEventSynchronize(event_)); }
-  void* native() noexcept override { return static_cast<void*>(event_); }
-
- private:
-  cudaEvent_t event_;
 };
 
 }  // namespace

@@ -21,7 +21,6 @@
 #include <new>
 #include <optional>
 #include <utility>
-#include <vector>
 
 #include "conveyor/detail/check.h"
 #include "conveyor/transfer.h"
@@ -47,10 +46,10 @@ struct alignas(kAlignment) Block {
   // holds the block's buffer.
   void* device_twin = nullptr;
   TransferEvent last_copy;
-  // What still reads the twin after its host buffer came back
-  // (DeviceBatch::keep_until): its next copy waits for these, and the twin
-  // is freed only after them. Cleared once that copy is queued.
-  std::vector<TransferEvent> kept_until;
+  // The work kept on the twin's last copy (DeviceBatch::keep_until), which
+  // may still read it after the host buffer came back: the next copy into
+  // the twin waits for it, and the twin is freed only after it.
+  std::shared_ptr<DeviceCopyUses> last_uses;
   alignas(16) std::byte control[kControlBytes];  // the shared_ptr's control block
 
   std::byte* data() { return reinterpret_cast<std::byte*>(this) + sizeof(Block); }
@@ -82,7 +81,9 @@ struct PoolState {
 
   void delete_block(Block* block) noexcept {
     block->last_copy.synchronize();  // a copy may still read it
-    for (const TransferEvent& use : block->kept_until) use.synchronize();  // work may still read the twin
+    if (block->last_uses) {
+      for (const TransferEvent& use : block->last_uses->events()) use.synchronize();  // work may still read the twin
+    }
     if (block->device_twin) device->free_device(block->device_twin);
     block->~Block();
     if (device) {
@@ -289,7 +290,7 @@ std::optional<DeviceTwin> device_twin_of(const std::shared_ptr<void>& owner) {
   Block* block = tag->block;
   if (!block->pool || !block->pool->device) return std::nullopt;  // a heap pool
   if (block->device_twin == nullptr) block->device_twin = block->pool->device->allocate_device(block->capacity());
-  return DeviceTwin{block->data(), block->device_twin, block->capacity(), &block->last_copy, &block->kept_until};
+  return DeviceTwin{block->data(), block->device_twin, block->capacity(), &block->last_copy, &block->last_uses};
 }
 
 }  // namespace conveyor::detail

@@ -1,7 +1,9 @@
 // The host stand-in transfer device: "device" memory is heap memory and the
 // copy stream is one thread doing memcpy in order, completing events and
-// waiting for others (wait_for) as it reaches them. Lets CI (no GPU) exercise ordering, overlap, buffer recycling
-// and shutdown of the transfer stage.
+// waiting for others (wait_for) as it reaches them. Lets CI (no GPU)
+// exercise ordering, overlap, buffer recycling and shutdown of the transfer
+// stage. As on a CUDA stream, an event waited for that never completes holds
+// every later copy, and the device's destruction.
 #include <blockingconcurrentqueue.h>
 
 #include <atomic>

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -101,14 +102,25 @@ struct DeviceBuffer {
 };
 
 namespace detail {
-// Where one batch's device memory keeps the events it must outlive
-// (DeviceBatch::keep_until): a list per pooled device twin, which the twin's
-// next copy waits for, and per scratch buffer, freed only after them. The
-// twins' lists live in their pool blocks and are valid while the host batch
-// is held; `scratch` keeps the scratch buffers' alive.
-struct DeviceCopyUses {
-  std::vector<std::vector<TransferEvent>*> lists;
-  std::vector<std::shared_ptr<void>> scratch;
+// The events of work reading one batch's device copy (DeviceBatch::keep_until).
+// Shared by the batch's DeviceBatch, its pooled device twins until their next
+// copy (which waits for these first) and its scratch buffers until they are
+// freed (after these). A mutex, not a lock-free list: one lock per buffer per
+// batch, uncontended, and keep_until may come from any thread.
+class DeviceCopyUses {
+ public:
+  void add(const TransferEvent& done) {
+    std::lock_guard lock(mutex_);
+    events_.push_back(done);
+  }
+  std::vector<TransferEvent> events() const {
+    std::lock_guard lock(mutex_);
+    return events_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<TransferEvent> events_;
 };
 }  // namespace detail
 
@@ -121,12 +133,12 @@ struct DeviceBatch {
   // The device memory of this copy is read by work that completes with
   // `done` (conveyor::cuda::record_event(stream) for a CUDA stream): no later
   // copy writes it, and no scratch buffer of it is freed, before `done` has
-  // completed, even after the host batch is released. Call it while the host
-  // batch is held, after queueing that work; each call adds an event, kept
-  // until the memory's next copy.
+  // completed, even after the host batch is released. Call it after queueing
+  // that work and before releasing the host batch: once released, its memory
+  // may be copied into again, and a later call comes too late for that copy.
+  // Each call adds an event.
   void keep_until(const TransferEvent& done) const {
-    if (!uses) return;
-    for (std::vector<TransferEvent>* list : uses->lists) list->push_back(done);
+    if (uses) uses->add(done);
   }
 
   // The device copy of host memory `host` (nullptr if none).

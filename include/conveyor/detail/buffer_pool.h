@@ -4,7 +4,6 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
-#include <vector>
 
 #include "conveyor/buffer.h"
 #include "conveyor/transfer.h"
@@ -59,14 +58,14 @@ bool is_pool_buffer(const std::shared_ptr<void>& owner);
 bool is_scalable_heap_buffer(const std::shared_ptr<void>& owner);
 
 // A pinned pool buffer's device twin, where to record its copy's event, and
-// the events of work that may still read the twin (wait for them before
-// copying into it again).
+// the work that may still read the twin's last copy (wait for it before
+// copying into the twin again, then put the new copy's there).
 struct DeviceTwin {
   const void* host_base = nullptr;  // the start of the pool buffer
   void* device = nullptr;           // its twin, same capacity
   size_t capacity = 0;
   TransferEvent* last_copy = nullptr;
-  std::vector<TransferEvent>* kept_until = nullptr;
+  std::shared_ptr<DeviceCopyUses>* last_uses = nullptr;
 };
 
 // For memory owned by `owner`: its twin if it is a pinned pool buffer

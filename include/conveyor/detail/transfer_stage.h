@@ -107,10 +107,12 @@ class TransferStage final : public LoaderNode<Batch> {
     std::shared_ptr<TransferDevice> device;
     void* memory = nullptr;
     TransferEvent copied;
-    std::vector<TransferEvent> kept_until;
+    std::shared_ptr<DeviceCopyUses> uses;  // its batch's kept work
     ~Scratch() {
       copied.synchronize();
-      for (const TransferEvent& use : kept_until) use.synchronize();
+      if (uses) {
+        for (const TransferEvent& use : uses->events()) use.synchronize();
+      }
       device->free_device(memory);
     }
   };
@@ -174,18 +176,18 @@ class TransferStage final : public LoaderNode<Batch> {
                                                     static_cast<const std::byte*>(twin->host_base));
             CONVEYOR_CHECK(offset + bytes <= twin->capacity, "a buffer beyond its pool block");
             target = static_cast<std::byte*>(twin->device) + offset;
-            // Work an earlier batch kept on this twin may still read it.
-            for (const TransferEvent& use : *twin->kept_until) device_->wait_for(use);
-            twin->kept_until->clear();
+            // Work kept on the twin's last copy may still read it.
+            if (*twin->last_uses) {
+              for (const TransferEvent& use : (*twin->last_uses)->events()) device_->wait_for(use);
+            }
+            *twin->last_uses = uses;
             twins_copied.push_back(twin->last_copy);
-            uses->lists.push_back(twin->kept_until);
           } else {
             auto scratch = std::make_shared<Scratch>();
             scratch->device = device_;
             scratch->memory = device_->allocate_device(bytes);
+            scratch->uses = uses;
             target = scratch->memory;
-            uses->lists.push_back(&scratch->kept_until);
-            uses->scratch.push_back(scratch);
             entry.scratch.push_back(std::move(scratch));
           }
           device_->copy_to_device(target, host, bytes);

@@ -183,7 +183,7 @@ class Suite:
                 common += ["--in-flight", str(W6_IN_FLIGHT)]
         if peer in HTTP_PEERS:  # the same shards' URLs (the server is started in run())
             common[common.index("--shards") + 1] = ",".join(self.http_server.urls(self.shards))
-        if peer in ("conveyor-nodes", "conveyor-nodes-batched", "conveyor-nodes-batched-http"):
+        if peer in ("conveyor-nodes",) + NODE_GRAPH_PEERS:
             pipeline = peer.removeprefix("conveyor-").removesuffix("-http")
             return [self.binary("conveyor_driver")] + common + ["--pipeline", pipeline]
         if peer == "conveyor-http":

@@ -102,10 +102,14 @@ class TransferStage final : public LoaderNode<Batch> {
  private:
   // A device buffer the stage allocated for memory outside the pinned pool;
   // freed once its copy is done, the consumer has moved on, and the work
-  // kept on it (DeviceBatch::keep_until) has completed.
+  // kept on it (DeviceBatch::keep_until) has completed. It holds the host
+  // memory too: a batch dropped before its copy ran (the pool's own buffers
+  // wait for their copy on release; this memory has no such guard) would
+  // otherwise be freed under the copy engine.
   struct Scratch {
     std::shared_ptr<TransferDevice> device;
     void* memory = nullptr;
+    std::shared_ptr<void> host_owner;  // empty when the batch type gives none
     TransferEvent copied;
     std::shared_ptr<DeviceCopyUses> uses;  // its batch's kept work
     ~Scratch() {
@@ -186,6 +190,7 @@ class TransferStage final : public LoaderNode<Batch> {
             auto scratch = std::make_shared<Scratch>();
             scratch->device = device_;
             scratch->memory = device_->allocate_device(bytes);
+            scratch->host_owner = owner;
             scratch->uses = uses;
             target = scratch->memory;
             entry.scratch.push_back(std::move(scratch));

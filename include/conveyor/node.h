@@ -21,9 +21,13 @@
 // - Randomness is reproducible: a node draws from generators seeded from
 //   (the pass's seed, epoch, the node's id, the item's position), so a
 //   pipeline yields the same items however it is run (0 or N workers).
-// - Sharding happens once, in the framework: the pass names the shard
-//   (rank x worker of world_size x num_workers) and the most upstream node
-//   that is shardable takes only its part; every other node sees its share.
+// - Sharding happens once per path, in the framework: the pass names the
+//   shard (rank x worker of world_size x num_workers) and the most upstream
+//   node that is shardable takes only its part; every other node sees its
+//   share. Each input of zip, mux, weighted_mux and join takes it on its
+//   own. A pass with more than one shard where no node can take it (a file
+//   lister with no shard() after it) is a ValueError, not every rank
+//   reading everything.
 //
 // - Checkpoints (Pipeline::state / load_state): a pass resumes by replay.
 //   The state is the pass (epoch, seed, shard), how many outputs the
@@ -182,7 +186,8 @@ class Node {
   }
   // The graph walk behind reset(): resets upstream, then takes this node's
   // id (walk.next_id++) and, if shardable and nothing upstream sharded yet,
-  // applies pass.shard.
+  // applies pass.shard and sets walk.sharded. A node with several inputs
+  // clears walk.sharded before each (each path takes the shard on its own).
   virtual void reset(const PassContext& pass, detail::ResetWalk& walk) = 0;
 
   virtual std::optional<T> next() = 0;
@@ -280,6 +285,14 @@ class Pipeline {
     std::optional<Resume> resume = std::exchange(resume_, std::nullopt);
     if (resume) walk.restoring = std::make_shared<const State>(std::move(resume->nodes));
     node_->reset(context, walk);
+    if (!walk.sharded && context.shard.count() > 1) {
+      throw ValueError("pipeline: the pass runs as rank " + std::to_string(context.shard.rank) + " of " +
+                       std::to_string(context.shard.world_size) + ", worker " + std::to_string(context.shard.worker) +
+                       " of " + std::to_string(context.shard.num_workers) +
+                       ", but no node takes the shard, so every rank and worker would read all of it: start from "
+                       "a shardable source (from_vector, from_range, from_map_dataset, from_iterable) or add "
+                       "shard() after the source");
+    }
     if (resume && resume->received > 0) {
       const uint64_t skipped = node_->skip(resume->received, resume->errors == 0);
       if (skipped < resume->received) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -27,6 +28,40 @@ using conveyor::ShardSpec;
 using conveyor::State;
 
 using conveyor::testing::one_pass;
+
+// A source that cannot take a shard, as a file lister: every rank gets all
+// of it.
+class Unshardable final : public nodes::MeteredNode<int64_t> {
+ public:
+  explicit Unshardable(std::vector<int64_t> items) : items_(std::move(items)) {}
+  using Node<int64_t>::reset;
+  void reset(const conveyor::PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    next_ = 0;
+    start_metering(pass, walk.next_id++);
+  }
+  std::string name() const override { return "unshardable"; }
+
+ private:
+  std::optional<int64_t> produce() override {
+    if (next_ == items_.size()) return std::nullopt;
+    return items_[next_++];
+  }
+  std::vector<int64_t> items_;
+  size_t next_ = 0;
+};
+
+Pipeline<int64_t> unshardable(std::vector<int64_t> items) {
+  return Pipeline<int64_t>(std::make_unique<Unshardable>(std::move(items)));
+}
+
+// Three sources of 10, 10 and 3 items, each shardable.
+std::vector<Pipeline<int64_t>> make_sources() {
+  std::vector<Pipeline<int64_t>> sources;
+  sources.push_back(nodes::from_range(0, 10));
+  sources.push_back(nodes::from_range(100, 110) | nodes::map([](int64_t x) { return x; }));
+  sources.push_back(nodes::from_vector(std::vector<int64_t>{200, 201, 202}));
+  return sources;
+}
 
 std::vector<int64_t> iota(int64_t n) {
   std::vector<int64_t> v(static_cast<size_t>(n));
@@ -116,6 +151,102 @@ TEST(Sharding, AnIterableDatasetIsToldItsShardAsItsWorker) {
     for (int64_t x : pipeline.pass()) all.insert(x);
   }
   EXPECT_EQ(all, (std::multiset<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+}
+
+// Each input of a node with several takes the shard on its own: over every
+// rank and worker, each source's items come out exactly once. (The first
+// input's source used to take the shard for the whole graph; the others ran
+// whole on every rank: 30 items of 20 from two ranks of a mux.)
+TEST(Sharding, EachInputOfZipMuxWeightedMuxAndJoinTakesTheShardOnItsOwn) {
+  using Make = std::function<Pipeline<int64_t>()>;
+  const std::vector<std::pair<std::string, Make>> graphs = {
+      {"mux", [] { return nodes::mux<int64_t>(make_sources()); }},
+      {"weighted_mux", [] { return nodes::weighted_mux<int64_t>(make_sources(), {1.0, 2.0, 0.5}); }},
+      {"join", [] { return nodes::join<int64_t>(make_sources()); }},
+      {"zip",
+       [] {
+         auto b = nodes::from_range(100, 110) | nodes::filter([](int64_t) { return true; });
+         return nodes::zip(nodes::from_range(0, 10), std::move(b)) |
+                nodes::map([](std::pair<int64_t, int64_t> pair) {
+                  // A pair is a's item and b's at the same place in each shard.
+                  EXPECT_EQ(pair.second, pair.first + 100);
+                  return pair.first;
+                });
+       }},
+      // A merge inside a merge: every path still takes the shard once.
+      {"mux of a mux",
+       [] {
+         std::vector<Pipeline<int64_t>> inner;
+         inner.push_back(nodes::from_range(0, 10));
+         inner.push_back(nodes::from_range(100, 110));
+         std::vector<Pipeline<int64_t>> outer;
+         outer.push_back(nodes::mux(std::move(inner)));
+         outer.push_back(nodes::from_vector(std::vector<int64_t>{200, 201, 202, 203, 204, 205, 206}));
+         return nodes::mux(std::move(outer));
+       }},
+  };
+  for (const auto& [name, make] : graphs) {
+    std::multiset<int64_t> expected;
+    for (int64_t i = 0; i < 10; ++i) expected.insert(i);
+    if (name != "zip") {
+      for (int64_t i = 100; i < 110; ++i) expected.insert(i);
+      for (int64_t i = 200; i < (name == "mux of a mux" ? 207 : 203); ++i) expected.insert(i);
+    }
+    for (auto [world, workers] : {std::pair<int64_t, int64_t>{1, 1}, {2, 1}, {3, 2}}) {
+      std::multiset<int64_t> all;
+      for (int64_t rank = 0; rank < world; ++rank) {
+        for (int64_t worker = 0; worker < workers; ++worker) {
+          auto pipeline = make();
+          pipeline.shard(ShardSpec{rank, world, worker, workers});
+          for (int64_t x : pipeline.pass()) all.insert(x);
+        }
+      }
+      EXPECT_EQ(all, expected) << name << ", " << world << " ranks x " << workers << " workers";
+    }
+  }
+}
+
+// A shard no node can take is refused at the pass, not read whole by every
+// rank: a graph with no shardable node, and a mux whose inputs disagree.
+TEST(Sharding, AShardNoNodeCanTakeIsAValueErrorNamingWhatToDo) {
+  auto whole = unshardable({1, 2}) | nodes::map([](int64_t x) { return x; });
+  EXPECT_EQ(one_pass(whole).size(), 2u);  // one shard: nothing to take
+  whole.shard(ShardSpec{1, 2, 0, 1});
+  try {
+    (void)whole.pass();
+    ADD_FAILURE() << "a shard nothing takes passed";
+  } catch (const conveyor::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("rank 1 of 2, worker 0 of 1, but no node takes the shard"),
+              std::string::npos)
+        << error.what();
+    EXPECT_NE(std::string(error.what()).find("add shard() after the source"), std::string::npos) << error.what();
+  }
+  // With shard() after it, each rank reads all of it and keeps its part.
+  std::multiset<int64_t> kept;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    auto sharded = unshardable({1, 2, 3}) | nodes::shard();
+    sharded.shard(ShardSpec{rank, 2, 0, 1});
+    for (int64_t x : sharded.pass()) kept.insert(x);
+  }
+  EXPECT_EQ(kept, (std::multiset<int64_t>{1, 2, 3}));
+
+  std::vector<Pipeline<int64_t>> inputs;
+  inputs.push_back(nodes::from_range(0, 2));
+  inputs.push_back(unshardable({7, 8}));
+  inputs.push_back(unshardable({9}));
+  auto mixed = nodes::mux(std::move(inputs));
+  EXPECT_EQ(one_pass(mixed).size(), 5u);  // one shard: fine as it is
+  mixed.shard(ShardSpec{0, 2, 0, 1});
+  try {
+    (void)mixed.pass();
+    ADD_FAILURE() << "a mux of a sharded and a whole input passed";
+  } catch (const conveyor::ValueError& error) {
+    EXPECT_NE(std::string(error.what())
+                  .find("mux: input 0 takes the pass's shard (rank 0 of 2, worker 0 of 1), but inputs 1 and 2 "
+                        "have no shardable node"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(Transforms, MapFilterFlatMapAndUnbatch) {

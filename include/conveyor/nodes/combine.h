@@ -28,6 +28,47 @@
 
 namespace conveyor::nodes {
 
+namespace detail {
+
+inline std::string list_inputs(const std::vector<size_t>& inputs) {
+  std::string out;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (k > 0) out += k + 1 == inputs.size() ? " and " : ", ";
+    out += std::to_string(inputs[k]);
+  }
+  return out;
+}
+
+// Resets a node's inputs (reset_input(i) for i < inputs) for sharding as
+// separate graphs: each input's own most upstream shardable node takes the
+// pass's shard, so every input gives this rank and worker its part. (One
+// flag for the whole walk let the first input's source take the shard and
+// every other input run whole on every rank.) Inputs where some take the
+// shard and others cannot (a file lister with no shard() after it) would
+// read those others whole on every rank: refused, naming them.
+template <class ResetInput>
+void reset_inputs_sharded_each(const std::string& node, const PassContext& pass, conveyor::detail::ResetWalk& walk,
+                               size_t inputs, ResetInput&& reset_input) {
+  std::vector<size_t> sharded, whole;
+  for (size_t i = 0; i < inputs; ++i) {
+    walk.sharded = false;
+    reset_input(i);
+    (walk.sharded ? sharded : whole).push_back(i);
+  }
+  walk.sharded = !sharded.empty();
+  if (sharded.empty() || whole.empty() || pass.shard.count() == 1) return;
+  const bool many_sharded = sharded.size() > 1, many_whole = whole.size() > 1;
+  throw ValueError(node + ": input" + (many_sharded ? "s " : " ") + list_inputs(sharded) +
+                   (many_sharded ? " take" : " takes") + " the pass's shard (rank " + std::to_string(pass.shard.rank) +
+                   " of " + std::to_string(pass.shard.world_size) + ", worker " + std::to_string(pass.shard.worker) +
+                   " of " + std::to_string(pass.shard.num_workers) + "), but input" + (many_whole ? "s " : " ") +
+                   list_inputs(whole) + (many_whole ? " have" : " has") +
+                   " no shardable node and would be read whole by every rank and worker: add shard() after " +
+                   (many_whole ? "their sources" : "its source"));
+}
+
+}  // namespace detail
+
 template <class A, class B>
 class Zip final : public MeteredNode<std::pair<A, B>> {
  public:
@@ -35,8 +76,13 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
   Zip(NodePtr<A> a, NodePtr<B> b) : a_(std::move(a)), b_(std::move(b)) {}
   using Node<item_type>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    a_->reset(pass, walk);
-    b_->reset(pass, walk);
+    detail::reset_inputs_sharded_each(name(), pass, walk, 2, [&](size_t i) {
+      if (i == 0) {
+        a_->reset(pass, walk);
+      } else {
+        b_->reset(pass, walk);
+      }
+    });
     this->start_metering(pass, walk.next_id++);
     pending_a_.reset();
   }
@@ -88,7 +134,8 @@ class Merge : public MeteredNode<T> {
   using item_type = T;
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    for (auto& source : sources_) source->reset(pass, walk);
+    detail::reset_inputs_sharded_each(this->name(), pass, walk, sources_.size(),
+                                      [&](size_t i) { sources_[i]->reset(pass, walk); });
     this->start_metering(pass, walk.next_id++);
     pass_ = pass;
     active_.assign(sources_.size(), true);

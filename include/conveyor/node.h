@@ -12,8 +12,11 @@
 //   upstream of it. Nothing is opened, listed or read before the first reset
 //   (lazy initialisation): a graph is cheap to build and to copy around.
 // - next() blocks for the next item; std::nullopt ends the pass. try_next()
-//   never waits: an item, "not yet" (Poll::pending) or the end. A node that
-//   computes in the caller's thread is always ready.
+//   never waits on another thread or on I/O: an item, "not yet"
+//   (Poll::pending) or the end. A node that computes in the caller's thread
+//   asks its upstream with try_next() too, and is "not yet" when upstream
+//   is; what it gathered stays for the next call. A source computes its
+//   items (a user's dataset or stream is called, and may block).
 // - An exception from user code inside a node leaves next() as a NodeError
 //   naming the node and the item's position, the original nested; the next
 //   call goes on with the following item (as the DataLoader goes on past a

@@ -24,6 +24,7 @@ namespace {
 
 namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
+using conveyor::Poll;
 using conveyor::ShardSpec;
 using conveyor::State;
 
@@ -53,6 +54,33 @@ class Unshardable final : public nodes::MeteredNode<int64_t> {
 Pipeline<int64_t> unshardable(std::vector<int64_t> items) {
   return Pipeline<int64_t>(std::make_unique<Unshardable>(std::move(items)));
 }
+
+// A source that is not ready until opened: try_next() says "not yet";
+// next() while closed would wait for ever, so it fails the test instead.
+class Gate final : public nodes::MeteredNode<int64_t> {
+ public:
+  Gate(int64_t n, bool& open) : n_(n), open_(open) {}
+  using Node<int64_t>::reset;
+  void reset(const conveyor::PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    next_ = 0;
+    start_metering(pass, walk.next_id++);
+  }
+  Poll try_next(std::optional<int64_t>& out) override {
+    if (!open_) return Poll::pending;
+    return counted((out = next()) ? Poll::ready : Poll::end);
+  }
+  std::string name() const override { return "gate"; }
+
+ private:
+  std::optional<int64_t> produce() override {
+    if (!open_) ADD_FAILURE() << "a try_next() waited on the closed gate";
+    if (next_ == n_) return std::nullopt;
+    return next_++;
+  }
+  int64_t n_;
+  bool& open_;
+  int64_t next_ = 0;
+};
 
 // Three sources of 10, 10 and 3 items, each shardable.
 std::vector<Pipeline<int64_t>> make_sources() {
@@ -247,6 +275,81 @@ TEST(Sharding, AShardNoNodeCanTakeIsAValueErrorNamingWhatToDo) {
               std::string::npos)
         << error.what();
   }
+}
+
+// try_next() through serial nodes asks upstream's try_next(): behind a
+// source that is not ready, a chain of them says "not yet" instead of
+// waiting, keeps what it gathered, and gives the items once it is ready.
+TEST(TryNext, SerialNodesSayNotYetWhenTheirUpstreamDoesAndLoseNothing) {
+  bool open = true;
+  auto pipeline = Pipeline<int64_t>(std::make_unique<Gate>(7, open)) |
+                  nodes::filter([](int64_t x) { return x != 3; }) | nodes::map([](int64_t x) { return x * 10; }) |
+                  nodes::shard() | nodes::batch(2) | nodes::collate();
+  auto pass = pipeline.pass();
+  std::optional<conveyor::Array<int64_t>> batch;
+  std::vector<std::vector<int64_t>> got;
+  auto take = [&] {
+    got.emplace_back(batch->values().begin(), batch->values().end());
+    batch.reset();
+  };
+  ASSERT_EQ(pass.try_next(batch), Poll::ready);  // 0, 10
+  take();
+  open = false;
+  EXPECT_EQ(pass.try_next(batch), Poll::pending);
+  EXPECT_EQ(pass.try_next(batch), Poll::pending);
+  open = true;
+  ASSERT_EQ(pass.try_next(batch), Poll::ready);  // 20, 40 (3 filtered out)
+  take();
+  ASSERT_EQ(pass.try_next(batch), Poll::ready);  // 50, 60
+  take();
+  EXPECT_EQ(pass.try_next(batch), Poll::end);
+  EXPECT_EQ(got, (std::vector<std::vector<int64_t>>{{0, 10}, {20, 40}, {50, 60}}));
+
+  // A batch half gathered when the source stops keeps its first item.
+  open = true;
+  auto halves = Pipeline<int64_t>(std::make_unique<Gate>(3, open)) | nodes::batch(2);
+  auto half_pass = halves.pass();
+  std::optional<std::vector<int64_t>> items;
+  ASSERT_EQ(half_pass.try_next(items), Poll::ready);  // 0, 1
+  EXPECT_EQ(*items, (std::vector<int64_t>{0, 1}));
+  open = false;
+  EXPECT_EQ(half_pass.try_next(items), Poll::pending);
+  open = true;
+  ASSERT_EQ(half_pass.try_next(items), Poll::ready);
+  EXPECT_EQ(*items, (std::vector<int64_t>{2}));
+  EXPECT_EQ(half_pass.try_next(items), Poll::end);
+}
+
+// A mux whose next source is not ready says "not yet" and keeps its turn;
+// a zip keeps the item it took from its first input.
+TEST(TryNext, MuxKeepsItsRotationAndZipItsFirstItemThroughNotYet) {
+  bool open = true;
+  std::vector<Pipeline<int64_t>> sources;
+  sources.push_back(nodes::from_range(100, 103));
+  sources.push_back(Pipeline<int64_t>(std::make_unique<Gate>(3, open)));
+  auto mux = nodes::mux(std::move(sources));
+  auto pass = mux.pass();
+  std::optional<int64_t> item;
+  std::vector<int64_t> got;
+  ASSERT_EQ(pass.try_next(item), Poll::ready);
+  got.push_back(*item);
+  open = false;
+  EXPECT_EQ(pass.try_next(item), Poll::pending);  // the gate's turn: not the range's next
+  open = true;
+  while (pass.try_next(item) == Poll::ready) got.push_back(*item);
+  EXPECT_EQ(got, (std::vector<int64_t>{100, 0, 101, 1, 102, 2}));
+
+  bool zip_open = false;
+  auto zipped = nodes::zip(nodes::from_range(0, 2), Pipeline<int64_t>(std::make_unique<Gate>(2, zip_open)));
+  auto zip_pass = zipped.pass();
+  std::optional<std::pair<int64_t, int64_t>> pair;
+  EXPECT_EQ(zip_pass.try_next(pair), Poll::pending);
+  zip_open = true;
+  ASSERT_EQ(zip_pass.try_next(pair), Poll::ready);
+  EXPECT_EQ(*pair, (std::pair<int64_t, int64_t>{0, 0}));
+  ASSERT_EQ(zip_pass.try_next(pair), Poll::ready);
+  EXPECT_EQ(*pair, (std::pair<int64_t, int64_t>{1, 1}));
+  EXPECT_EQ(zip_pass.try_next(pair), Poll::end);
 }
 
 TEST(Transforms, MapFilterFlatMapAndUnbatch) {

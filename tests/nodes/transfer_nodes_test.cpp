@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "support/random_pipeline.h"
 #include "support/test_device.h"
 
 namespace {
@@ -64,6 +65,37 @@ TEST(ToDevice, ItemsArriveInOrderCopiedFromThePinnedPoolWhichStaysBounded) {
     }
     EXPECT_EQ(device->live_pinned.load(), 0);
     EXPECT_EQ(device->live_device.load(), 0);
+  }
+}
+
+// try_next() through pin_memory and to_device: behind an upstream that is
+// "not yet" at random (a stand-in async node), each batch arrives once, in
+// order, copied; the stage queues copies ahead without waiting.
+TEST(ToDevice, PolledBehindAnUpstreamNotYetReadyEveryItemArrivesInOrder) {
+  for (size_t depth : {0, 2}) {
+    auto device = test_device();
+    auto batches = nodes::from_range(0, kBatch * kBatches) | nodes::batch(kBatch) | nodes::collate();
+    auto pipeline = conveyor::testing::stutter(std::move(batches), 42 + depth) | nodes::pin_memory(device) |
+                    nodes::to_device(device, depth);
+    for (int pass_number = 0; pass_number < 2; ++pass_number) {
+      auto pass = pipeline.pass();
+      int64_t expected = 0;
+      uint64_t pending = 0;
+      while (true) {
+        std::optional<nodes::OnDevice<conveyor::Array<int64_t>>> item;
+        const conveyor::Poll poll = pass.try_next(item);
+        if (poll == conveyor::Poll::end) break;
+        if (poll == conveyor::Poll::pending) {
+          ++pending;
+          continue;
+        }
+        expect_copied(*item);
+        EXPECT_EQ(item->host[0], expected * kBatch);
+        ++expected;
+      }
+      EXPECT_EQ(expected, kBatches) << "depth " << depth;
+      EXPECT_GT(pending, 0u) << "depth " << depth << ": upstream's \"not yet\" never reached the consumer";
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,40 @@ inline uint64_t property_seed() {
   return std::random_device{}();
 }
 
+// A stand-in for an async node: try_next() answers "not yet" about one call
+// in four (drawn from its seed) before asking upstream's try_next();
+// next() passes straight through. It takes no id: a graph with stutters
+// draws what the same graph without them draws.
+template <class T>
+class Stutter final : public nodes::MeteredNode<T> {
+ public:
+  Stutter(NodePtr<T> upstream, uint64_t seed) : upstream_(std::move(upstream)), rng_(seed) {}
+  using Node<T>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    upstream_->reset(pass, walk);
+    this->start_metering(pass, 0);
+  }
+  Poll try_next(std::optional<T>& out) override {
+    if (rng_() % 4 == 0) return Poll::pending;
+    return this->counted(upstream_->try_next(out));
+  }
+  std::string name() const override { return "stutter"; }
+  uint64_t skip(uint64_t count, bool clean) override { return upstream_->skip(count, clean); }
+  void save_extras(State& nodes, bool in_pass) const override { upstream_->save_extras(nodes, in_pass); }
+
+ private:
+  std::optional<T> produce() override { return this->meter_.wait([this] { return upstream_->next(); }); }
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
+
+  NodePtr<T> upstream_;
+  std::mt19937_64 rng_;
+};
+
+template <class T>
+Pipeline<T> stutter(Pipeline<T>&& upstream, uint64_t seed) {
+  return Pipeline<T>(std::make_unique<Stutter<T>>(std::move(upstream).release(), seed));
+}
+
 // A pipeline drawn from `rng`: a range, then a few stages; each stage's
 // parallel form (workers from `parallel`, 0 for none) yields what its serial
 // form yields. Some stages fail on some items (skipped, or raised in their
@@ -37,16 +72,22 @@ inline uint64_t property_seed() {
 // pass is always read to the end (not in a merged pipeline, nothing after
 // it that stops early): a parallel node after it may read ahead to the end
 // of a pass the consumer left, completing the cache in one run and not the
-// other (conveyor/nodes/repeat.h).
+// other (conveyor/nodes/repeat.h). With `stutter` (a seed, 0 for none), a
+// Stutter follows the source and every stage: the drawn graph is the same.
 inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& ordered, int depth = 0,
-                                  bool allow_unordered = true) {
+                                  bool allow_unordered = true, uint64_t stutter = 0) {
   std::uniform_int_distribution<int> pick(0, 14);
   ordered = true;
   bool cached = false;  // a cache upstream: nothing may cut its pass short
   const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
   Pipeline<int64_t> p = nodes::from_range(0, n);
+  uint64_t stutters = 0;
+  auto maybe_stutter = [&] {
+    if (stutter != 0) p = conveyor::testing::stutter(std::move(p), stutter * 1000 + ++stutters);
+  };
+  maybe_stutter();
   const int stages = std::uniform_int_distribution<int>(1, 5)(rng);
-  for (int s = 0; s < stages; ++s) {
+  for (int s = 0; s < stages; ++s, maybe_stutter()) {
     int kind = pick(rng);
     // After items leave out of order, a stage's positions differ from the
     // serial run's: no stage whose output depends on them (shuffle, batch,
@@ -111,7 +152,8 @@ inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, boo
       case 13: {
         bool other_ordered = true;
         Pipeline<int64_t> other =
-            random_pipeline(std::mt19937_64(rng()), parallel, other_ordered, depth + 1, /*allow_unordered=*/false);
+            random_pipeline(std::mt19937_64(rng()), parallel, other_ordered, depth + 1, /*allow_unordered=*/false,
+                            stutter == 0 ? 0 : stutter * 7 + static_cast<uint64_t>(s) + 1);
         if (kind == 11) {
           std::vector<Pipeline<int64_t>> sources;
           sources.push_back(std::move(p));
@@ -151,6 +193,30 @@ inline std::vector<std::string> outcomes(Pipeline<int64_t>& pipeline) {
     try {
       std::optional<int64_t> item = pass.next();
       if (!item) break;
+      out.push_back(std::to_string(*item));
+    } catch (const conveyor::NodeError& e) {
+      out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
+    }
+  }
+  return out;
+}
+
+// The same, taken with try_next(): after a "not yet" the thread yields
+// (to the workers of a parallel node, on a machine of few cores) and asks
+// again. `pending` counts them.
+inline std::vector<std::string> polled_outcomes(Pipeline<int64_t>& pipeline, uint64_t& pending) {
+  std::vector<std::string> out;
+  auto pass = pipeline.pass();
+  while (true) {
+    try {
+      std::optional<int64_t> item;
+      const Poll poll = pass.try_next(item);
+      if (poll == Poll::pending) {
+        ++pending;
+        std::this_thread::yield();
+        continue;
+      }
+      if (poll == Poll::end) break;
       out.push_back(std::to_string(*item));
     } catch (const conveyor::NodeError& e) {
       out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));

@@ -61,6 +61,18 @@ class TransferStage final : public LoaderNode<Batch> {
 
   std::optional<Batch> next() override {
     if (pending_.empty() && !inner_done_) pull(/*wait=*/true);
+    return hand_out();
+  }
+  // Not waiting: the next batch with its copy queued (the consumer waits on
+  // its event), or "not yet" while the stage before has none ready.
+  Poll try_next(std::optional<Batch>& out) override {
+    if (pending_.empty() && !inner_done_ && !pull(/*wait=*/false) && !inner_done_) return Poll::pending;
+    out = hand_out();
+    return out ? Poll::ready : Poll::end;
+  }
+
+ private:
+  std::optional<Batch> hand_out() {
     // Keep up to `depth` batches copying beyond the one handed out now.
     while (!inner_done_ && pending_.size() <= depth_ && pull(/*wait=*/false)) {
     }
@@ -73,6 +85,8 @@ class TransferStage final : public LoaderNode<Batch> {
     if (entry.error) std::rethrow_exception(entry.error);
     return std::move(entry.batch);
   }
+
+ public:
 
   // The device copy of the batch next() returned last.
   const DeviceBatch& current() const noexcept { return current_; }

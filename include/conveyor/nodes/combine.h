@@ -100,11 +100,11 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
  private:
   std::optional<item_type> produce() override {
     if (!pending_a_) {
-      pending_a_ = this->meter_.wait([this] { return a_->next(); });
+      pending_a_ = this->meter_.wait([this] { return this->next_of(*a_); });
       if (!pending_a_) return std::nullopt;
     }
     // An error here keeps a's item for the next call.
-    std::optional<B> b = this->meter_.wait([this] { return b_->next(); });
+    std::optional<B> b = this->meter_.wait([this] { return this->next_of(*b_); });
     if (!b) return std::nullopt;
     item_type out{std::move(*pending_a_), std::move(*b)};
     pending_a_.reset();
@@ -156,7 +156,7 @@ class Merge : public MeteredNode<T> {
     for (const auto& source : sources_) source->collect_metrics(out);
   }
   std::optional<T> pull(size_t i) {
-    return this->meter_.wait([&] { return sources_[i]->next(); });
+    return this->meter_.wait([&] { return this->next_of(*sources_[i]); });
   }
   void retire(size_t i) {
     if (active_[i]) {
@@ -201,7 +201,14 @@ class Mux final : public Merge<T> {
       const size_t i = this->cursor_;
       this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
       if (!this->active_[i]) continue;
-      if (std::optional<T> item = this->pull(i)) return item;
+      std::optional<T> item;
+      try {
+        item = this->pull(i);
+      } catch (const detail::UpstreamPending&) {
+        this->cursor_ = i;  // not yet: still its turn (a failed item took its turn)
+        throw;
+      }
+      if (item) return item;
       this->retire(i);
     }
     return std::nullopt;
@@ -264,7 +271,14 @@ class WeightedMux final : public Merge<T> {
   std::optional<T> produce() override {
     while (this->active_count_ > 0) {
       const size_t i = pick();
-      if (std::optional<T> item = this->pull(i)) return item;
+      std::optional<T> item;
+      try {
+        item = this->pull(i);
+      } catch (const detail::UpstreamPending&) {
+        --this->produced_;  // not yet: the next call draws the same pick
+        throw;
+      }
+      if (item) return item;
       this->retire(i);
     }
     return std::nullopt;
@@ -495,7 +509,9 @@ class ForkState {
     return skipped;
   }
 
-  std::optional<T> next(size_t consumer) {
+  // `polling`: a consumer's try_next(): upstream's try_next() is asked, and
+  // "not yet" leaves everything as it was (UpstreamPending).
+  std::optional<T> next(size_t consumer, bool polling = false) {
     uint64_t& taken = taken_[consumer];
     if (taken == base_ + items_.size()) {
       if (ended_) return std::nullopt;
@@ -503,7 +519,12 @@ class ForkState {
         throw ValueError("fork: consumer " + std::to_string(consumer) + " is " + std::to_string(items_.size()) +
                          " items ahead of the slowest, the buffer's limit; take from the others or raise it");
       }
-      std::optional<T> item = upstream_->next();
+      std::optional<T> item;
+      if (!polling) {
+        item = upstream_->next();
+      } else if (upstream_->try_next(item) == Poll::pending) {
+        throw detail::UpstreamPending{};
+      }
       if (!item) {
         ended_ = true;
         return std::nullopt;
@@ -549,7 +570,7 @@ class ForkOutput final : public MeteredNode<T> {
   void save_extras(State& nodes, bool in_pass) const override { state_->save_extras(consumer_, nodes, in_pass); }
 
  private:
-  std::optional<T> produce() override { return state_->next(consumer_); }
+  std::optional<T> produce() override { return state_->next(consumer_, this->polling()); }
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
     state_->collect_upstream_metrics(consumer_, out);
   }

@@ -208,8 +208,12 @@ class ParallelMap final
       if (replay(out)) return Poll::ready;
     }
     while (true) {
-      fill();
-      if (window().in_flight() == 0) return Poll::end;
+      bool upstream_pending = false;
+      {
+        const typename Base::Polling polling(*this, true);
+        upstream_pending = fill();
+      }
+      if (window().in_flight() == 0) return upstream_pending ? Poll::pending : Poll::end;
       std::optional<typename Window::Taken> taken = window().try_take();
       if (!taken) return Poll::pending;
       if (take(std::move(*taken), out)) return Poll::ready;
@@ -234,8 +238,9 @@ class ParallelMap final
   // upstream error stops the pulling; it is thrown once the items before it
   // are out (its place): here, at once, when none is in flight. (Returning
   // instead left the caller an empty window, which reads as the end of the
-  // pass: the error and every item after it were lost.)
-  void fill() {
+  // pass: the error and every item after it were lost.) Inside try_next(),
+  // stops at an upstream with nothing ready yet and returns true.
+  bool fill() {
     // What a replay pulled ahead of its turn goes first, in input order.
     auto& ahead = replay_inputs_.ahead;
     while (!ahead.empty() && !upstream_error_ && window().has_room()) {
@@ -256,6 +261,8 @@ class ParallelMap final
       const uint64_t input = inputs_;
       try {
         item = this->pull();
+      } catch (const detail::UpstreamPending&) {
+        return true;
       } catch (...) {
         ++inputs_;
         if (order_.dropped(input)) continue;
@@ -265,7 +272,7 @@ class ParallelMap final
       }
       if (!item) {
         upstream_done_ = true;
-        return;
+        return false;
       }
       ++inputs_;
       if (order_.dropped(input)) continue;
@@ -277,7 +284,7 @@ class ParallelMap final
       window().next_payload().input = input;
       window().submit();
     }
-    if (!upstream_error_ || window().in_flight() > 0) return;
+    if (!upstream_error_ || window().in_flight() > 0) return false;
     if (!options_.in_order) order_.handed_out(upstream_error_input_);
     std::rethrow_exception(std::exchange(upstream_error_, nullptr));
   }

@@ -139,7 +139,7 @@ class Repeat final : public MeteredNode<T> {
   }
   std::optional<T> produce() override {
     while (round_ < times_) {
-      std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
+      std::optional<T> item = this->meter_.wait([this] { return this->next_of(*upstream_); });
       if (item) {
         empty_round_ = false;
         return item;
@@ -290,7 +290,7 @@ class Cache final : public MeteredNode<T> {
       if (position_ == filling_.size()) return std::nullopt;
       return filling_[position_++];
     }
-    std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); });
+    std::optional<T> item = this->meter_.wait([this] { return this->next_of(*upstream_); });
     if (!item) {
       complete_ = true;
       return std::nullopt;

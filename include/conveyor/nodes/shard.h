@@ -49,7 +49,7 @@ class Shard final : public MeteredNode<T> {
 
  private:
   std::optional<T> produce() override {
-    while (std::optional<T> item = this->meter_.wait([this] { return upstream_->next(); })) {
+    while (std::optional<T> item = this->meter_.wait([this] { return this->next_of(*upstream_); })) {
       if (position_++ % count_ == index_) return item;
     }
     return std::nullopt;

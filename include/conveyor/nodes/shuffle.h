@@ -119,6 +119,7 @@ class Shuffle final : public Stage<T, T> {
 
   void materialize() {
     if (!replay_) return;
+    const typename Stage<T, T>::Polling waiting(*this, false);  // all of the replay in one call
     Replay replay = std::move(*replay_);
     replay_.reset();
     conveyor::detail::ResetWalk walk = walk_before_;

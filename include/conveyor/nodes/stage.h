@@ -114,15 +114,34 @@ struct Meter {
   }
 };
 
+// Thrown by a pull inside a try_next() when upstream has nothing ready yet.
+// It unwinds the node's produce() to its try_next(), which answers
+// Poll::pending. A node keeps what it has gathered in its members across a
+// throwing pull, as it must for an upstream error, so the next call goes on
+// where this one stopped. (One exception per waiting node and poll: the
+// price of every node's produce() staying one straight function.)
+struct UpstreamPending {};
+
 }  // namespace detail
 
 // A node counted (and in a timed pass, timed) the same way as every other:
-// it makes its items in produce(); next() is the meter's.
+// it makes its items in produce(); next() is the meter's. Its try_next()
+// runs produce() with each pull asking upstream's try_next(), so a serial
+// node never waits behind an async one.
 template <class Out>
 class MeteredNode : public Node<Out> {
  public:
   std::optional<Out> next() final {
     return meter_.count([this] { return produce(); });
+  }
+  Poll try_next(std::optional<Out>& out) override {
+    const Polling polling(*this, true);
+    try {
+      out = next();
+    } catch (const detail::UpstreamPending&) {
+      return Poll::pending;
+    }
+    return out ? Poll::ready : Poll::end;
   }
   void collect_metrics(std::vector<NodeMetrics>& out) const override {
     collect_upstream_metrics(out);
@@ -157,8 +176,35 @@ class MeteredNode : public Node<Out> {
     return poll;
   }
 
+  // Upstream's next item: waited for in next(); in try_next(), what
+  // upstream has now, or UpstreamPending.
+  template <class U>
+  std::optional<U> next_of(Node<U>& upstream) {
+    if (!polling_) return upstream.next();
+    std::optional<U> item;
+    if (upstream.try_next(item) == Poll::pending) throw detail::UpstreamPending{};
+    return item;
+  }
+  // Sets polling_ for a scope. With `on` false: a section that must not stop
+  // halfway (a resumed pass's replay) pulls waiting, even inside try_next().
+  class Polling {
+   public:
+    Polling(MeteredNode& node, bool on) noexcept : node_(node), was_(node.polling_) { node.polling_ = on; }
+    ~Polling() { node_.polling_ = was_; }
+    Polling(const Polling&) = delete;
+    Polling& operator=(const Polling&) = delete;
+
+   private:
+    MeteredNode& node_;
+    bool was_;
+  };
+  bool polling() const noexcept { return polling_; }
+
   std::atomic<uint64_t> id_{0};  // given by each reset (ResetWalk's order)
   detail::Meter meter_;
+
+ private:
+  bool polling_ = false;  // inside try_next(): pulls do not wait
 };
 
 // A node with no upstream.
@@ -218,7 +264,7 @@ class Stage : public MeteredNode<Out> {
 
   // The next upstream item, counting positions (the input's, for errors).
   std::optional<In> pull() {
-    std::optional<In> item = this->meter_.wait([this] { return upstream_->next(); });
+    std::optional<In> item = this->meter_.wait([this] { return this->next_of(*upstream_); });
     if (item) ++position_;
     return item;
   }

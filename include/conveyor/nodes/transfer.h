@@ -97,6 +97,13 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
     }
   }
   std::string name() const override { return "to_device(" + std::to_string(depth_) + ")"; }
+  // Not waiting: upstream's try_next() feeds the transfer stage.
+  Poll try_next(std::optional<OnDevice<T>>& out) override {
+    std::optional<T> host;
+    const Poll poll = stage_->try_next(host);
+    if (poll == Poll::ready) out = OnDevice<T>{std::move(*host), stage_->current(), stage_->hold_current_scratch()};
+    return this->counted(poll);
+  }
 
  protected:
   // Copies queued for the last pass are dropped with the stage (safely:

@@ -158,6 +158,9 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       try {
         ahead_ = this->pull();
         if (ahead_) ahead_stream_ = options_.open(*ahead_);
+      } catch (const detail::UpstreamPending&) {
+        // Polled (try_next) and upstream has no next archive yet: nothing
+        // is opened ahead of this one.
       } catch (...) {
         // Thrown at the next archive's turn: a failed open as the open it
         // stands for, an upstream error in its place.

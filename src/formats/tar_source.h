@@ -67,6 +67,11 @@ class TarSource {
   // read as an empty archive, its zero blocks being tar's end marker.
   std::string open_file(const std::string& path) {
     OpenedFile opened = open_regular_file(path);
+    if (!opened.problem.empty() && (path.starts_with("http://") || path.starts_with("https://"))) {
+      // Read as a local path, a URL fails with ENOENT: say what was missing.
+      opened.problem += " (a URL is read through an opener: UntarOptions::open or TarShardOptions::open = "
+                        "conveyor::nodes::http_opener(), in conveyor::io)";
+    }
     if (opened.problem.starts_with("cannot ")) {
       return opened.problem.insert(opened.problem.find(':'), " shard");  // "cannot open shard: ..."
     }

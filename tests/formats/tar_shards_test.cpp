@@ -1272,6 +1272,32 @@ TEST(TarNodes, ACorruptArchiveIsADataErrorInItsPlaceOrSkippedAndCounted) {
   }
 }
 
+// A URL given where no opener reads URLs fails as a missing file would,
+// and its error says what to add, for untar and for the shard dataset.
+TEST(TarNodes, AURLWithNoOpenerSaysWhichOpenerReadsIt) {
+  const std::string url = "http://127.0.0.1:9/shard-000000.tar";
+  auto untarred = nodes::from_vector(std::vector<std::string>{url}) | nodes::untar();
+  auto pass = untarred.pass();
+  try {
+    (void)pass.next();
+    ADD_FAILURE() << "a URL read as a path gave no error";
+  } catch (const DataError& e) {
+    EXPECT_EQ(e.file(), url);
+    EXPECT_NE(std::string(e.what()).find("cannot open shard"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("conveyor::nodes::http_opener()"), std::string::npos) << e.what();
+  }
+  conveyor::TarShardOptions options;
+  options.shards = {url};
+  auto dataset = std::make_shared<conveyor::TarShardDataset>(options);
+  auto stream = dataset->iter(nullptr);
+  try {
+    (void)stream->next();
+    ADD_FAILURE() << "a URL read as a path gave no error";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("TarShardOptions::open"), std::string::npos) << e.what();
+  }
+}
+
 TEST(TarNodes, AnArchiveCutAtAMemberBoundaryIsNotSilentlyShort) {
   TempDir dir;
   const std::vector<std::string> paths = write_samples(dir.file("c-"), 5, 5);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -233,6 +234,60 @@ TEST_F(HttpShardTest, AClosedConnectionIsRetriedThenReported) {
   } catch (const DataError& error) {
     EXPECT_EQ(error.file(), url);
     EXPECT_NE(std::string(error.what()).find("(after 2 attempts)"), std::string::npos) << error.what();
+  }
+}
+
+// The server stops for good in the middle of a shard: the samples before
+// the cut arrive once each, in order, then the shard's retries find nothing
+// listening and it ends as a DataError naming its URL; under
+// OnError::skip the same samples arrive and the cut shard is counted.
+TEST(HttpShardServerStopped, MidShardTheSamplesBeforeTheCutArriveOnceThenADataErrorOrASkip) {
+  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  constexpr int kBigSamples = 40;  // 1 MiB each: most of the shard is still on the server at the cut
+  for (const OnError on_error : {OnError::raise, OnError::skip}) {
+    NginxServer server;
+    const std::string shards = server.www() + "/big";
+    fs::create_directories(shards);
+    TarShardWriter writer(shards + "/part-", kBigSamples);
+    for (int i = 0; i < kBigSamples; ++i) {
+      writer.write(key_of(i), {{"bin", std::vector<uint8_t>(1u << 20, static_cast<uint8_t>(i))}, {"cls", {'1'}}});
+    }
+    writer.close();
+    server.start();
+    const std::string url = server.url("/big/part-000000.tar");
+    TarShardOptions options;
+    options.shards = {url};
+    options.open = http_opener({.retries = 2, .backoff = milliseconds(1)});
+    options.on_error = on_error;
+    TarShardDataset dataset(options);
+    auto iterator = dataset.iter(nullptr);
+    std::vector<std::string> keys;
+    for (int i = 0; i < 2; ++i) {
+      std::optional<ShardSample> sample = iterator->next();
+      ASSERT_TRUE(sample);
+      keys.push_back(sample->key);
+    }
+    server.stop();
+    bool raised = false;
+    while (true) {
+      try {
+        std::optional<ShardSample> sample = iterator->next();
+        if (!sample) break;
+        EXPECT_EQ(sample->fields.at("bin"), std::vector<uint8_t>(1u << 20, static_cast<uint8_t>(keys.size())))
+            << "sample " << sample->key;
+        keys.push_back(sample->key);
+      } catch (const DataError& error) {
+        EXPECT_EQ(error.file(), url);
+        EXPECT_NE(std::string(error.what()).find("(after 3 attempts)"), std::string::npos) << error.what();
+        raised = true;
+      }
+    }
+    const bool skipping = on_error == OnError::skip;
+    EXPECT_EQ(raised, !skipping);
+    EXPECT_EQ(dataset.skipped(), skipping ? 1u : 0u);
+    ASSERT_LT(keys.size(), static_cast<size_t>(kBigSamples)) << "the whole shard arrived: the stop cut nothing";
+    for (size_t i = 0; i < keys.size(); ++i) EXPECT_EQ(keys[i], key_of(static_cast<int>(i)));  // once, in order
+    std::printf("%s: %zu of %d samples before the cut\n", skipping ? "skip" : "raise", keys.size(), kBigSamples);
   }
 }
 

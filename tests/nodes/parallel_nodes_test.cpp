@@ -212,19 +212,13 @@ TEST(Executor, AGraphsParallelNodesShareOneArenaSizedForAllOfThem) {
 
 using conveyor::testing::outcomes;
 using conveyor::testing::polled_outcomes;
-using conveyor::testing::property_seed;
+using conveyor::testing::property_graphs;
+using conveyor::testing::property_rng;
 using conveyor::testing::random_pipeline;
 
 TEST(PipelineProperty, ParallelRunsYieldTheSerialRunItemForItem) {
-  const uint64_t seed = property_seed();
-  std::printf("nodes property seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  const int graphs = 40;
-#else
-  const int graphs = 100;
-#endif
+  std::mt19937_64 rng = property_rng("nodes property");
+  const int graphs = property_graphs(100, 40);
   int unordered = 0, with_errors = 0;
   for (int g = 0; g < graphs; ++g) {
     const uint64_t graph_seed = rng();
@@ -256,15 +250,8 @@ TEST(PipelineProperty, ParallelRunsYieldTheSerialRunItemForItem) {
 // yet" yields with next(): serial nodes keep what they gathered, mux keeps
 // its rotation, weighted_mux its picks, a parallel map its inputs.
 TEST(PipelineProperty, PolledRunsThroughNodesThatAreNotYetReadyYieldTheWaitingRun) {
-  const uint64_t seed = property_seed();
-  std::printf("nodes property seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  const int graphs = 30;
-#else
-  const int graphs = 80;
-#endif
+  std::mt19937_64 rng = property_rng("polled nodes property");
+  const int graphs = property_graphs(80, 30);
   uint64_t pending = 0;
   for (int g = 0; g < graphs; ++g) {
     const uint64_t graph_seed = rng();

@@ -29,7 +29,8 @@ namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
 using conveyor::State;
 using conveyor::StateError;
-using conveyor::testing::property_seed;
+using conveyor::testing::property_graphs;
+using conveyor::testing::property_rng;
 using conveyor::testing::random_pipeline;
 
 using Outcomes = std::vector<std::string>;
@@ -54,16 +55,8 @@ Outcomes sorted(Outcomes outcomes) {
 }
 
 TEST(PipelineResume, RandomGraphsResumeExactlyAnywhereWithAnyWorkerCount) {
-  const uint64_t seed = property_seed();
-  std::printf("pipeline resume seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n",
-              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
-  std::fflush(stdout);  // before a crash, too
-  std::mt19937_64 rng(seed);
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  const int graphs = 40;
-#else
-  const int graphs = 150;
-#endif
+  std::mt19937_64 rng = property_rng("pipeline resume");
+  const int graphs = property_graphs(150, 40);
   constexpr int kPasses = 3;
   int unordered = 0, resumed_serially = 0;
   for (int g = 0; g < graphs; ++g) {
@@ -334,9 +327,7 @@ TEST(PipelineResume, RepeatResumesInALaterPassAsANewPipeline) {
 // state taken in round r (with repeat() running ahead into the next, behind
 // a prefetch) resumes every item exactly once.
 TEST(PipelineResume, ATimingDependentNodeUnderRepeatResumesInItsRound) {
-  const uint64_t seed = property_seed();
-  std::printf("repeat-join seed %llu (CONVEYOR_NODES_SEED replays it)\n", static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng = property_rng("repeat-join");
   auto make = [] {
     std::vector<Pipeline<int64_t>> sources;
     sources.push_back(nodes::from_range(0, 30) | nodes::map([](int64_t x) {

@@ -26,6 +26,27 @@ inline uint64_t property_seed() {
   return std::random_device{}();
 }
 
+// A property test's generator, its seed printed (before a crash, too) with
+// how to replay it.
+inline std::mt19937_64 property_rng(const char* test) {
+  const uint64_t seed = property_seed();
+  std::printf("%s seed: %llu (replay with CONVEYOR_NODES_SEED=%llu)\n", test, static_cast<unsigned long long>(seed),
+              static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  return std::mt19937_64(seed);
+}
+
+// How many random graphs a property test draws: fewer under a sanitizer.
+constexpr int property_graphs(int plain, int sanitized) {
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  (void)plain;
+  return sanitized;
+#else
+  (void)sanitized;
+  return plain;
+#endif
+}
+
 // A stand-in for an async node: try_next() answers "not yet" about one call
 // in four (drawn from its seed) before asking upstream's try_next();
 // next() passes straight through. It takes no id: a graph with stutters

@@ -87,7 +87,6 @@ class TransferStage final : public LoaderNode<Batch> {
   }
 
  public:
-
   // The device copy of the batch next() returned last.
   const DeviceBatch& current() const noexcept { return current_; }
   // Keeps that copy's scratch device buffers (those outside the pinned pool)

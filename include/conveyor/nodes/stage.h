@@ -118,8 +118,10 @@ struct Meter {
 // It unwinds the node's produce() to its try_next(), which answers
 // Poll::pending. A node keeps what it has gathered in its members across a
 // throwing pull, as it must for an upstream error, so the next call goes on
-// where this one stopped. (One exception per waiting node and poll: the
-// price of every node's produce() staying one straight function.)
+// where this one stopped. A produce() that catches everything around a
+// pull lets this through first (or restores what it changed and rethrows).
+// (One exception per waiting node and poll: the price of every node's
+// produce() staying one straight function.)
 struct UpstreamPending {};
 
 }  // namespace detail

@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -144,6 +145,76 @@ TEST(Sources, AMapDatasetThroughItsSamplerAndItsSizeAtEachPass) {
   std::vector<int64_t> items = one_pass(shuffled);
   std::sort(items.begin(), items.end());
   EXPECT_EQ(items, iota(3));
+}
+
+// A dataset that fetches a batch at once: get_batch() is what a batch
+// sampler's source calls, never get() index by index.
+struct BatchFetchingDataset final : conveyor::Dataset<int64_t> {
+  explicit BatchFetchingDataset(size_t n) : n(n) {}
+  size_t size() const override { return n; }
+  int64_t get(size_t) override {
+    ADD_FAILURE() << "get() called where get_batch() fetches the batch";
+    return -1;
+  }
+  std::vector<int64_t> get_batch(std::span<const size_t> indices) override {
+    ++batches_fetched;
+    if (indices.size() == 1 && indices[0] == 4) throw std::runtime_error("batch [4] is bad");
+    std::vector<int64_t> out;
+    for (size_t i : indices) out.push_back(static_cast<int64_t>(i) * 10);
+    return out;
+  }
+  size_t n;
+  int batches_fetched = 0;
+};
+
+TEST(Sources, AMapDatasetThroughABatchSamplerFetchesEachBatchAtOnceShardsBatchesAndResumes) {
+  auto dataset = std::make_shared<BatchFetchingDataset>(10);
+  auto batches = [&](bool drop_last) {
+    return std::make_shared<conveyor::BatchSampler>(std::make_shared<conveyor::SequentialSampler>(size_t{10}), 3,
+                                                    drop_last);
+  };
+  using Batches = std::vector<std::vector<int64_t>>;
+  auto whole = nodes::from_map_dataset(dataset, batches(false));
+  EXPECT_EQ(one_pass(whole), (Batches{{0, 10, 20}, {30, 40, 50}, {60, 70, 80}, {90}}));
+  EXPECT_EQ(dataset->batches_fetched, 4);
+  auto dropped = nodes::from_map_dataset(dataset, batches(true));
+  EXPECT_EQ(one_pass(dropped).size(), 3u);
+
+  // Shards take whole batches: batch k goes to shard k % count.
+  auto rank1 = nodes::from_map_dataset(dataset, batches(false));
+  rank1.shard(ShardSpec{1, 2, 0, 1});
+  EXPECT_EQ(one_pass(rank1), (Batches{{30, 40, 50}, {90}}));
+
+  // Resumed after two batches: the rest, without fetching the first two again.
+  auto saver = nodes::from_map_dataset(dataset, batches(false));
+  auto pass = saver.pass();
+  ASSERT_TRUE(pass.next());
+  ASSERT_TRUE(pass.next());
+  const State state = saver.state();
+  auto resumed = nodes::from_map_dataset(dataset, batches(false));
+  resumed.load_state(state);
+  dataset->batches_fetched = 0;
+  EXPECT_EQ(one_pass(resumed), (Batches{{60, 70, 80}, {90}}));
+  EXPECT_EQ(dataset->batches_fetched, 2);
+
+  // A failed batch is a NodeError at its place, numbered by its batch.
+  auto failing = nodes::from_map_dataset(
+      dataset, std::make_shared<conveyor::BatchSampler>(std::make_shared<conveyor::SequentialSampler>(size_t{6}), 1,
+                                                        false));
+  auto failing_pass = failing.pass();
+  std::vector<std::string> events;
+  while (true) {
+    try {
+      std::optional<std::vector<int64_t>> batch = failing_pass.next();
+      if (!batch) break;
+      events.push_back(std::to_string(batch->at(0)));
+    } catch (const conveyor::NodeError& e) {
+      events.push_back(e.node() + " at " + std::to_string(e.position()));
+    }
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{"0", "10", "20", "30", "from_map_dataset(batches) at 4", "50"}));
+  EXPECT_THROW(nodes::from_map_dataset(dataset, std::shared_ptr<conveyor::Sampler<conveyor::BatchIndices>>()),
+               conveyor::ValueError);
 }
 
 TEST(Sharding, TheMostUpstreamShardableNodeTakesItsShardAndNoItemIsLostOrRepeated) {

@@ -2,7 +2,8 @@
 //
 //   from_vector(items)            the items, in order
 //   from_range(begin, end)        begin, begin + 1, ..., end - 1 (int64_t)
-//   from_map_dataset(d[, s])      d.get(i) for i in sampler s (default: 0..size-1)
+//   from_map_dataset(d[, s])      d.get(i) for i in sampler s (default: 0..size-1);
+//                                 with a batch sampler, d.get_batch(b) per batch
 //   from_iterable(d)              d.iter(worker)'s stream
 //
 // Each is shardable: under a ShardSpec it yields only its shard's part
@@ -18,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -131,14 +133,22 @@ inline Pipeline<int64_t> from_range(int64_t begin, int64_t end) {
 }
 
 // d.get(i) for the sampler's indices (default: 0 .. d.size() - 1, read at
-// each pass). The dataset is shared, or borrowed through a shared_ptr that
-// owns nothing (it must then outlive the pipeline).
-template <MapStyleDataset D>
-class MapDatasetSource final : public Source<sample_t<D>> {
+// each pass); with a batch sampler (Index = BatchIndices), d.get_batch(b)
+// for each batch of indices, one item a batch. The dataset is shared, or
+// borrowed through a shared_ptr that owns nothing (it must then outlive the
+// pipeline).
+template <MapStyleDataset D, class Index = size_t>
+class MapDatasetSource final
+    : public Source<std::conditional_t<std::is_same_v<Index, size_t>, sample_t<D>, std::vector<sample_t<D>>>> {
  public:
-  using T = sample_t<D>;
-  MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<size_t>> sampler)
-      : dataset_(std::move(dataset)), sampler_(std::move(sampler)) {}
+  static_assert(std::is_same_v<Index, size_t> || std::is_same_v<Index, BatchIndices>,
+                "from_map_dataset: a sampler of indices or of batches of indices");
+  static constexpr bool kBatches = std::is_same_v<Index, BatchIndices>;
+  using T = std::conditional_t<kBatches, std::vector<sample_t<D>>, sample_t<D>>;
+  MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<Index>> sampler)
+      : dataset_(std::move(dataset)), sampler_(std::move(sampler)) {
+    if (kBatches && !sampler_) throw ValueError("from_map_dataset: the batch sampler is null");
+  }
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     stride_ = detail::take_shard(pass, walk);
@@ -155,26 +165,38 @@ class MapDatasetSource final : public Source<sample_t<D>> {
       }
       sampler_->set_epoch(pass.epoch);
       indices_ = sampler_->iter();
-    } else {
+    } else if constexpr (!kBatches) {
       indices_ = SequentialSampler([d = dataset_.get()] { return static_cast<size_t>(d->size()); }).iter();
     }
     position_ = 0;
   }
   std::optional<T> produce() override {
-    size_t index = 0;
-    // Skip what belongs to other shards: the k-th index goes to shard k % count.
+    Index index{};
+    // Skip what belongs to other shards: the k-th index (or batch) goes to
+    // shard k % count.
+    size_t k = 0;
     while (true) {
       if (!indices_->next(index)) return std::nullopt;
-      const size_t k = position_++;
+      k = position_++;
       if (k % stride_.step == stride_.first) break;
     }
     try {
-      return dataset_->get(index);
+      if constexpr (kBatches) {
+        return dataset_->get_batch(std::span<const size_t>(index));
+      } else {
+        return dataset_->get(index);
+      }
     } catch (...) {
-      conveyor::detail::throw_node_error(name(), index);
+      // The failed item's position: the dataset's index, or the batch's
+      // number in the sampler's pass.
+      if constexpr (kBatches) {
+        conveyor::detail::throw_node_error(name(), k);
+      } else {
+        conveyor::detail::throw_node_error(name(), index);
+      }
     }
   }
-  std::string name() const override { return "from_map_dataset"; }
+  std::string name() const override { return kBatches ? "from_map_dataset(batches)" : "from_map_dataset"; }
   // The sampler's state (and the process generator's, when it draws from
   // it) as the pass began, or, between passes, as the next one will.
   void save_extras(State& nodes, bool in_pass) const override {
@@ -189,7 +211,7 @@ class MapDatasetSource final : public Source<sample_t<D>> {
   // The sampler's indices, without get(): a failed get() was an output too.
   uint64_t skip(uint64_t count, bool) override {
     uint64_t skipped = 0;
-    size_t index = 0;
+    Index index{};
     while (skipped < count && indices_->next(index)) {
       if (position_++ % stride_.step == stride_.first) ++skipped;
     }
@@ -227,12 +249,12 @@ class MapDatasetSource final : public Source<sample_t<D>> {
   }
 
   std::shared_ptr<D> dataset_;
-  std::shared_ptr<Sampler<size_t>> sampler_;
+  std::shared_ptr<Sampler<Index>> sampler_;
   // Set at reset (a mid-pass one may run on a strand), read by state() on
   // the consumer's thread: under a mutex, taken once a pass and once a state.
   mutable std::mutex pass_start_mutex_;
   std::shared_ptr<const State> pass_start_;
-  std::unique_ptr<SamplerIterator<size_t>> indices_;
+  std::unique_ptr<SamplerIterator<Index>> indices_;
   detail::Stride stride_;
   size_t position_ = 0;
 };
@@ -245,6 +267,19 @@ Pipeline<sample_t<D>> from_map_dataset(std::shared_ptr<D> dataset,
 template <MapStyleDataset D>
 Pipeline<sample_t<D>> from_map_dataset(D& dataset, std::shared_ptr<Sampler<size_t>> sampler = nullptr) {
   return from_map_dataset(std::shared_ptr<D>(std::shared_ptr<D>(), &dataset), std::move(sampler));
+}
+// Through a batch sampler: d.get_batch(b) for each batch b, a
+// std::vector of samples an item (a dataset that fetches a batch at once
+// overrides get_batch). Shards take whole batches.
+template <MapStyleDataset D>
+Pipeline<std::vector<sample_t<D>>> from_map_dataset(std::shared_ptr<D> dataset,
+                                                    std::shared_ptr<Sampler<BatchIndices>> batch_sampler) {
+  return Pipeline<std::vector<sample_t<D>>>(
+      std::make_unique<MapDatasetSource<D, BatchIndices>>(std::move(dataset), std::move(batch_sampler)));
+}
+template <MapStyleDataset D>
+Pipeline<std::vector<sample_t<D>>> from_map_dataset(D& dataset, std::shared_ptr<Sampler<BatchIndices>> batch_sampler) {
+  return from_map_dataset(std::shared_ptr<D>(std::shared_ptr<D>(), &dataset), std::move(batch_sampler));
 }
 
 // An iterable dataset's stream. The shard reaches the dataset as its

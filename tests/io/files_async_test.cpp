@@ -4,6 +4,7 @@
 #include <conveyor/nodes.h>
 #include <conveyor/nodes/files_async.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -229,6 +230,33 @@ TEST(ReadFilesAsyncOptions, TheBackendIsNamed) {
   if (backend != "io_uring") {
     EXPECT_THROW(nodes::read_files_async({.backend = FileIoBackend::io_uring}), conveyor::Error);
   }
+}
+
+// The automatic backend falls back to the thread pool where io_uring may
+// not be used (here: CONVEYOR_IO_URING=0, as for a seccomp-filtered
+// container), says so in one line, and reads every file. In a child
+// process (a death test re-run from the start): the line is printed once
+// per process.
+TEST(ReadFilesAsyncOptions, TheAutomaticBackendFallsBackToThreadsSayingSoOnceAndReadsEverything) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        ::setenv("CONVEYOR_IO_URING", "0", 1);
+        Dir dir;
+        std::vector<std::string> paths;
+        for (size_t size : {0, 100, 70000}) paths.push_back(dir.file("f" + std::to_string(size), size));
+        bool same = nodes::file_io_backend() == "threads (CONVEYOR_IO_URING=0)";
+        for (int pass = 0; pass < 2; ++pass) {  // two pipelines: still one line
+          auto pipeline = nodes::from_vector(paths) | nodes::read_files_async({.threads = 3});
+          size_t k = 0;
+          for (FileBytes& file : pipeline.pass()) same = same && file.bytes == contents(paths[k++]);
+          same = same && k == paths.size();
+        }
+        std::fflush(stderr);
+        std::_Exit(same ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "^conveyor: read_files_async: a pool of 3 threads \\(CONVEYOR_IO_URING=0\\)\n$");
 }
 
 }  // namespace

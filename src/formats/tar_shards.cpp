@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <iterator>
 #include <limits>
 #include <new>
 #include <numeric>
@@ -135,6 +136,7 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
 
 TarShardDataset::TarShardDataset(TarShardOptions options) : options_(std::move(options)) {
   if (options_.shards.empty()) throw ValueError("TarShardDataset: no shards given");
+  options_.shards = expand_shard_patterns(options_.shards);
   if (options_.num_replicas < 1) {
     throw ValueError("TarShardDataset: num_replicas must be at least 1, got " +
                      std::to_string(options_.num_replicas));
@@ -277,6 +279,23 @@ std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
     }
     paths = std::move(expanded);
     position = close + 1;
+  }
+  return paths;
+}
+
+std::vector<std::string> expand_shard_patterns(const std::vector<std::string>& patterns) {
+  std::vector<std::string> paths;
+  for (const std::string& pattern : patterns) {
+    if (pattern.find_first_of("{}") == std::string::npos) {
+      paths.push_back(pattern);
+    } else {
+      std::vector<std::string> expanded = expand_shard_pattern(pattern);
+      paths.insert(paths.end(), std::make_move_iterator(expanded.begin()), std::make_move_iterator(expanded.end()));
+    }
+    if (paths.size() > kMaxExpandedPaths) {
+      throw ValueError("expand_shard_patterns: more than " + std::to_string(kMaxExpandedPaths) +
+                       " paths, the last pattern being '" + pattern + "'");
+    }
   }
   return paths;
 }

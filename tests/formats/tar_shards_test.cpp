@@ -389,6 +389,22 @@ TEST(TarExpandShardPattern, MalformedRangesThrowValueError) {
   }
 }
 
+TEST(TarExpandShardPattern, ManyPatternsExpandInTurnUnderOneCap) {
+  using conveyor::expand_shard_patterns;
+  EXPECT_EQ(expand_shard_patterns({"a-{0..1}.tar", "plain.tar", "b-{08..09}.tar"}),
+            (std::vector<std::string>{"a-0.tar", "a-1.tar", "plain.tar", "b-08.tar", "b-09.tar"}));
+  EXPECT_TRUE(expand_shard_patterns({}).empty());
+  EXPECT_THROW(expand_shard_patterns({"plain.tar", "c{x}.tar"}), conveyor::ValueError);
+  // Each pattern is under the cap, all of them together are not.
+  const std::vector<std::string> patterns(3, "s-{0000000..3999999}");
+  try {
+    (void)expand_shard_patterns(patterns);
+    ADD_FAILURE() << "12 million paths were expanded";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 10000000 paths"), std::string::npos) << e.what();
+  }
+}
+
 // ---- distribution across workers and ranks ------------------------------------------
 
 TEST(TarShardDataset, RejectsBadOptions) {
@@ -402,6 +418,40 @@ TEST(TarShardDataset, RejectsBadOptions) {
   EXPECT_THROW(TarShardDataset{rank}, conveyor::ValueError);
   rank.rank = -1;
   EXPECT_THROW(TarShardDataset{rank}, conveyor::ValueError);
+}
+
+// A brace range in TarShardOptions::shards stands for its shards, wherever a
+// path would: the dataset reads what the expanded list reads, split across
+// ranks the same way.
+TEST(TarShardDataset, BracePatternsExpandWhereAShardPathWouldGo) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("p-"), 23, 4);  // 6 shards
+  ASSERT_EQ(paths.size(), 6u);
+  TarShardDataset listed(options_for(paths));
+  const std::vector<ShardSample> expected = drain(*listed.iter(nullptr));
+  TarShardDataset patterned(options_for({dir.file("p-{000000..000003}.tar"), paths[4], dir.file("p-00000{5..5}.tar")}));
+  EXPECT_EQ(patterned.options().shards, paths);
+  const std::vector<ShardSample> got = drain(*patterned.iter(nullptr));
+  ASSERT_EQ(keys(got), keys(expected));
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].shard, expected[i].shard);
+  std::vector<std::string> seen;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    TarShardOptions options = options_for({dir.file("p-{000000..000005}.tar")});
+    options.num_replicas = 2;
+    options.rank = rank;
+    TarShardDataset dataset(options);
+    EXPECT_EQ(dataset.shards_for(nullptr).size(), 3u);
+    for (const std::string& key : keys(drain(*dataset.iter(nullptr)))) seen.push_back(key);
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, key_range(0, 23));
+  // A malformed range fails the construction, naming the pattern.
+  try {
+    TarShardDataset bad(options_for({paths[0], dir.file("p-{5..1}.tar")}));
+    ADD_FAILURE() << "a descending range was accepted";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("p-{5..1}.tar"), std::string::npos) << e.what();
+  }
 }
 
 TEST(TarShardDataset, SplitsShardsByRankThenWorker) {
@@ -1270,6 +1320,52 @@ TEST(TarNodes, ACorruptArchiveIsADataErrorInItsPlaceOrSkippedAndCounted) {
     for (auto& sample : skipping.pass()) samples += sample.fields.size() == 2 ? 1 : 0;
     EXPECT_EQ(samples, 6u);
   }
+}
+
+// from_shard_patterns lists a pattern's shards before shard() splits them,
+// so ranks and workers read each shard once. A pattern that reaches untar
+// as a path is refused at its place (a rank expanding it there would read
+// every shard), naming where to expand it; braces that are no range are a
+// plain name.
+TEST(TarNodes, BracePatternsExpandWhereTheShardsAreListedAndUntarRefusesThem) {
+  TempDir dir;
+  write_samples(dir.file("part-"), 40, 4);  // 10 shards
+  const std::string pattern = dir.file("part-{000000..000009}.tar");
+  std::multiset<std::string> all;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    for (int64_t worker = 0; worker < 3; ++worker) {
+      auto pipeline = nodes::from_shard_patterns({pattern}) | nodes::shard() | nodes::untar() | nodes::group_by_key();
+      pipeline.shard(conveyor::ShardSpec{rank, 2, worker, 3});
+      for (auto& sample : pipeline.pass()) all.insert(sample.key);
+    }
+  }
+  const std::vector<std::string> every_key = key_range(0, 40);
+  EXPECT_EQ(all, std::multiset<std::string>(every_key.begin(), every_key.end()));
+  EXPECT_THROW(nodes::from_shard_patterns({dir.file("part-{1..}.tar")}), conveyor::ValueError);
+
+  const std::string literal = dir.file("odd-{x}.tar");
+  std::filesystem::copy_file(dir.file("part-000001.tar"), literal);
+  auto paths = nodes::from_vector(std::vector<std::string>{dir.file("part-000000.tar"), pattern, literal});
+  auto untarred = std::move(paths) | nodes::untar();
+  std::vector<std::string> events;
+  auto pass = untarred.pass();
+  while (true) {
+    try {
+      auto member = pass.next();
+      if (!member) break;
+      if (events.empty() || events.back() != member->archive) events.push_back(member->archive);
+    } catch (const DataError& e) {
+      EXPECT_EQ(e.file(), pattern);
+      EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
+      events.push_back("error");
+    }
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{dir.file("part-000000.tar"), "error", literal}));
+  auto skipping = nodes::from_vector(std::vector<std::string>{pattern, literal}) | nodes::untar({.on_error = OnError::skip});
+  size_t members = 0;
+  for (auto& member : skipping.pass()) members += member.archive == literal ? 1 : 100;
+  EXPECT_EQ(members, 8u);
+  EXPECT_EQ(skipping.metrics().back().skipped, 1u);
 }
 
 // A URL given where no opener reads URLs fails as a missing file would,

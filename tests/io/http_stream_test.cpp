@@ -74,9 +74,10 @@ class HttpShardTest : public ::testing::Test {
     if (!server_) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";
   }
 
-  static std::vector<std::string> urls() {
-    return expand_shard_pattern(server_->url("/shards/part-{000000..00000" + std::to_string(kShards - 1) + "}.tar"));
+  static std::string url_pattern() {
+    return server_->url("/shards/part-{000000..00000" + std::to_string(kShards - 1) + "}.tar");
   }
+  static std::vector<std::string> urls() { return expand_shard_pattern(url_pattern()); }
 
   static std::unique_ptr<NginxServer> server_;
   static std::vector<std::string> local_;
@@ -99,15 +100,16 @@ TEST_F(HttpShardTest, ShardsOverHttpGiveWhatTheSameShardsOnDiskGive) {
   ASSERT_EQ(expected.size(), static_cast<size_t>(kShards * kSamplesPerShard));
 
   TarShardOptions remote;
-  remote.shards = urls();
+  remote.shards = {url_pattern()};  // a brace pattern works where a shard path does
   remote.open = http_opener();
   TarShardDataset over_http(remote);
+  ASSERT_EQ(over_http.options().shards, urls());
   for (int pass = 0; pass < 2; ++pass) {
     const std::vector<ShardSample> got = drain(over_http);
     ASSERT_EQ(got.size(), expected.size()) << "pass " << pass;
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i].key, expected[i].key);
-      EXPECT_EQ(got[i].shard, remote.shards[i / kSamplesPerShard]);  // named by its URL
+      EXPECT_EQ(got[i].shard, urls()[i / kSamplesPerShard]);  // named by its URL
       EXPECT_EQ(got[i].fields, expected[i].fields) << got[i].key;
     }
   }
@@ -161,6 +163,34 @@ TEST_F(HttpShardTest, UntarOverUrlsAndPathsMixed) {
     ++count;
   }
   EXPECT_EQ(count, 4u * kSamplesPerShard);
+}
+
+// A URL pattern reaching untar as one path is refused in its place, and no
+// request goes out for it (untar opens the next URL ahead: not a pattern).
+TEST_F(HttpShardTest, AUrlPatternGivenToUntarIsRefusedWithoutARequest) {
+  const std::string pattern_path = "/shards/part-{000000..00000" + std::to_string(kShards - 1) + "}.tar";
+  const auto requested = [&] {
+    return server_->requests_logged(pattern_path) + server_->requests_logged("/shards/part-%7B000000..00000" +
+                                                                             std::to_string(kShards - 1) + "%7D.tar");
+  };
+  const int before = requested();
+  auto members = from_vector(std::vector<std::string>{urls()[0], url_pattern(), urls()[1]}) |
+                 untar({.open = http_opener()});
+  std::vector<std::string> events;
+  auto pass = members.pass();
+  while (true) {
+    try {
+      auto member = pass.next();
+      if (!member) break;
+      if (events.empty() || events.back() != member->archive) events.push_back(member->archive);
+    } catch (const DataError& e) {
+      EXPECT_EQ(e.file(), url_pattern());
+      EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
+      events.push_back("error");
+    }
+  }
+  EXPECT_EQ(events, (std::vector<std::string>{urls()[0], "error", urls()[1]}));
+  EXPECT_EQ(requested(), before);
 }
 
 TEST_F(HttpShardTest, MissingShardIsADataErrorNamingTheUrlAndStatusOrSkipped) {

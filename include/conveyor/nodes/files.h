@@ -5,6 +5,9 @@
 //   list_files(root, "*.tar") | shard() | untar() | group_by_key()
 //       | map(decode, {.workers = 8}) | shuffle(1000) | batch(64) | collate()
 //
+//   from_shard_patterns({pattern, ...})    the shards brace ranges stand for
+//                                          ("train-{000000..000011}.tar"),
+//                                          in order; paths or URLs
 //   list_files(root, glob, {.recursive})   paths under root matching glob
 //                                          (fnmatch on the name), sorted; lists
 //                                          at the first pass, not before
@@ -55,6 +58,13 @@ struct ListFilesOptions {
   bool recursive = false;
 };
 Pipeline<std::string> list_files(std::string root, std::string glob = "*", ListFilesOptions options = {});
+
+// Each pattern's shards (expand_shard_patterns(), tar_shards.h), as a source
+// that takes the shard as from_vector does: brace ranges expand here, where
+// the shards are listed, so that each rank and worker reads its own. untar
+// refuses a pattern as a path (DataError): expanded after the split, every
+// rank would read every shard. Throws ValueError for a malformed range.
+Pipeline<std::string> from_shard_patterns(std::vector<std::string> patterns);
 
 struct ReadFilesOptions {
   uint64_t max_bytes = uint64_t{1} << 32;  // a larger file is a DataError

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "conveyor/image.h"
+#include "conveyor/nodes/sources.h"
 #include "conveyor/nodes/stage.h"
 #include "../regular_file.h"
 
@@ -139,6 +140,10 @@ class DecodeImage final : public Stage<std::vector<uint8_t>, Array<uint8_t>> {
 };
 
 }  // namespace
+
+Pipeline<std::string> from_shard_patterns(std::vector<std::string> patterns) {
+  return from_vector(expand_shard_patterns(patterns));
+}
 
 Pipeline<std::string> list_files(std::string root, std::string glob, ListFilesOptions options) {
   return Pipeline<std::string>(std::make_unique<ListFiles>(std::move(root), std::move(glob), options));

@@ -5,6 +5,7 @@
 #include <archive_entry.h>
 
 #include <algorithm>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <new>
@@ -94,8 +95,13 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   void open(std::string&& path) {
     current_.path = std::move(path);
     last_member_.clear();
-    if (ahead_failure_) std::rethrow_exception(std::exchange(ahead_failure_, nullptr));
+    const std::exception_ptr failed_ahead = std::exchange(ahead_failure_, nullptr);
     std::unique_ptr<ByteStream> opened_ahead = std::exchange(ahead_stream_, nullptr);
+    if (is_shard_pattern(current_.path)) {
+      throw DataError("a brace pattern is not a shard: untar does not expand it; expand it where the shards "
+                      "are listed, before shard() splits them (nodes::from_shard_patterns)", current_.path);
+    }
+    if (failed_ahead) std::rethrow_exception(failed_ahead);
     if (opened_ahead || options_.open) {
       if (std::unique_ptr<ByteStream> stream = opened_ahead ? std::move(opened_ahead) : options_.open(current_.path)) {
         source_ = std::make_unique<conveyor::detail::TarSource>(std::move(stream));
@@ -110,6 +116,24 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
     const std::string problem = source_->open_file(current_.path);
     if (!problem.empty()) throw DataError(problem, current_.path);
     start_reading();
+  }
+  // A brace range among the paths was meant to stand for several shards,
+  // but expanded past shard() it would be read whole by every rank: it is
+  // refused at its place, naming where to expand it. Braces that are no
+  // range ("a{b}.tar") are a plain name.
+  static bool is_shard_pattern(const std::string& path) {
+    const auto digits = [&](size_t from) {
+      size_t end = from;
+      while (end < path.size() && path[end] >= '0' && path[end] <= '9') ++end;
+      return end;
+    };
+    for (size_t open = path.find('{'); open != std::string::npos; open = path.find('{', open + 1)) {
+      const size_t first_end = digits(open + 1);
+      if (first_end == open + 1 || path.compare(first_end, 2, "..") != 0) continue;
+      const size_t last_end = digits(first_end + 2);
+      if (last_end > first_end + 2 && last_end < path.size() && path[last_end] == '}') return true;
+    }
+    return false;
   }
   // The plain reader takes the archive first (plain_tar.h); libarchive
   // takes it from the first header the plain reader leaves to it, or from
@@ -157,7 +181,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       if (!options_.open || ahead_ || ahead_error_) return;
       try {
         ahead_ = this->pull();
-        if (ahead_) ahead_stream_ = options_.open(*ahead_);
+        if (ahead_ && !is_shard_pattern(*ahead_)) ahead_stream_ = options_.open(*ahead_);
       } catch (const detail::UpstreamPending&) {
         // Polled (try_next) and upstream has no next archive yet: nothing
         // is opened ahead of this one.

@@ -44,6 +44,16 @@ struct Transfer {
   State state = State::idle;
   CURL* easy = nullptr;  // created at the slot's first use, reused by every item after
   std::string url;
+  // A ranged item: its first byte and length (none: to the object's end).
+  bool ranged = false;
+  uint64_t offset = 0;
+  std::optional<uint64_t> length;
+  // A server that ignores Range answers 200 with the whole object: write_body
+  // drops its first `skip_left` bytes and stops once `length` are kept
+  // (`enough`: the transfer was stopped on purpose).
+  uint64_t skip_left = 0;
+  bool enough = false;
+  int64_t range_start = -1;  // a 206's Content-Range start where it is not `offset` (read_header)
   int attempts = 0;
   SteadyClock::time_point retry_at;
   std::vector<uint8_t> body;
@@ -55,6 +65,25 @@ struct Transfer {
   char error_text[CURL_ERROR_SIZE] = {};
 };
 
+// A ranged item answered with the whole object (a server without Range
+// support): keeps bytes [offset, offset + length) of it, stopping the
+// transfer once they are in (returning less than given).
+size_t keep_slice(Transfer& transfer, const char* data, size_t bytes) {
+  const size_t skipped = static_cast<size_t>(std::min<uint64_t>(bytes, transfer.skip_left));
+  transfer.skip_left -= skipped;
+  size_t keep = bytes - skipped;
+  if (transfer.length && keep >= *transfer.length - transfer.body.size()) {
+    keep = static_cast<size_t>(*transfer.length - transfer.body.size());
+    transfer.enough = true;
+  }
+  if (keep > transfer.max_bytes - transfer.body.size()) {
+    transfer.too_big = true;
+    return 0;
+  }
+  transfer.body.insert(transfer.body.end(), data + skipped, data + skipped + keep);
+  return transfer.enough ? 0 : bytes;
+}
+
 // CURLOPT_WRITEFUNCTION. Keeps a 2xx body up to max_bytes; a longer one
 // aborts the transfer (returning less than given is CURLE_WRITE_ERROR). The
 // body of an error status is not kept: only its status is reported.
@@ -64,6 +93,7 @@ size_t write_body(char* data, size_t size, size_t count, void* user) {
   long status = 0;
   curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
   if (status >= 300) return bytes;
+  if (transfer.ranged && status != 206) return keep_slice(transfer, data, bytes);
   if (bytes > transfer.max_bytes - transfer.body.size()) {  // body.size() <= max_bytes always
     transfer.too_big = true;
     return 0;
@@ -79,40 +109,86 @@ size_t write_body(char* data, size_t size, size_t count, void* user) {
   return bytes;
 }
 
+// A header's value when its name is `name` (lower case, with the colon).
+std::optional<std::string_view> header_value(const char* data, size_t bytes, std::string_view name) {
+  if (bytes <= name.size()) return std::nullopt;
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(data[i])) != name[i]) return std::nullopt;
+  }
+  size_t i = name.size();
+  while (i < bytes && (data[i] == ' ' || data[i] == '\t')) ++i;
+  return std::string_view(data + i, bytes - i);
+}
+
+// The decimal number `text` starts with; none without a digit or past uint64_t.
+std::optional<uint64_t> leading_number(std::string_view text) {
+  uint64_t value = 0;
+  size_t i = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (value > (std::numeric_limits<uint64_t>::max() - 9) / 10) return std::nullopt;
+    value = value * 10 + static_cast<uint64_t>(text[i] - '0');
+  }
+  if (i == 0) return std::nullopt;
+  return value;
+}
+
 // CURLOPT_HEADERFUNCTION. A 2xx response whose Content-Length exceeds
 // max_bytes stops here, before its body (libcurl's CURLOPT_MAXFILESIZE
 // would too, without saying the length).
+// A ranged item's 206 must start where it was asked to ("Content-Range:
+// bytes 100-199/1000"); one that does not stops here.
 size_t read_header(char* data, size_t size, size_t count, void* user) {
   Transfer& transfer = *static_cast<Transfer*>(user);
   const size_t bytes = size * count;
-  constexpr std::string_view kName = "content-length:";
-  if (bytes <= kName.size()) return bytes;
-  for (size_t i = 0; i < kName.size(); ++i) {
-    if (std::tolower(static_cast<unsigned char>(data[i])) != kName[i]) return bytes;
-  }
   long status = 0;
   curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
   if (status < 200 || status >= 300) return bytes;
-  uint64_t length = 0;
-  size_t i = kName.size();
-  while (i < bytes && (data[i] == ' ' || data[i] == '\t')) ++i;
-  bool digits = false;
-  for (; i < bytes && data[i] >= '0' && data[i] <= '9'; ++i) {
-    digits = true;
-    if (length > (std::numeric_limits<uint64_t>::max() - 9) / 10) return bytes;  // absurd: libcurl refuses it
-    length = length * 10 + static_cast<uint64_t>(data[i] - '0');
+  if (transfer.ranged && status == 206) {
+    if (const std::optional<std::string_view> range = header_value(data, bytes, "content-range:")) {
+      const std::optional<uint64_t> start =
+          range->starts_with("bytes ") ? leading_number(range->substr(6)) : std::nullopt;
+      if (start != transfer.offset) {
+        transfer.range_start = start ? static_cast<int64_t>(std::min<uint64_t>(*start, INT64_MAX)) : INT64_MAX;
+        return 0;  // CURLE_WRITE_ERROR
+      }
+    }
   }
-  if (digits && length > transfer.max_bytes) {
-    transfer.declared = static_cast<int64_t>(std::min<uint64_t>(length, std::numeric_limits<int64_t>::max()));
+  // A whole object (200) for a ranged item is cut by keep_slice: its length is not the item's.
+  if (transfer.ranged && status != 206) return bytes;
+  const std::optional<std::string_view> value = header_value(data, bytes, "content-length:");
+  if (!value) return bytes;
+  const std::optional<uint64_t> length = leading_number(*value);  // none: absurd, libcurl refuses it
+  if (length && *length > transfer.max_bytes) {
+    transfer.declared = static_cast<int64_t>(std::min<uint64_t>(*length, std::numeric_limits<int64_t>::max()));
     return 0;  // CURLE_WRITE_ERROR
   }
   return bytes;
 }
 
-class HttpGet final : public Stage<std::string, HttpObject> {
+// What an item asks for: a URL (the whole object) or an HttpRange.
+HttpRange request_of(std::string&& url) { return HttpRange{std::move(url), 0, std::nullopt}; }
+HttpRange request_of(HttpRange&& range) { return std::move(range); }
+bool is_ranged(const std::string&) { return false; }
+bool is_ranged(const HttpRange&) { return true; }
+
+// "bytes 100-199" / "bytes 100-", for errors.
+std::string range_text(const Transfer& transfer) {
+  std::string text = "bytes " + std::to_string(transfer.offset) + "-";
+  if (transfer.length) text += std::to_string(transfer.offset + *transfer.length - 1);
+  return text;
+}
+
+template <class Input>
+class HttpGet final : public Stage<Input, HttpObject> {
+  using Stage<Input, HttpObject>::pull;
+  using Stage<Input, HttpObject>::upstream_;
+  using Stage<Input, HttpObject>::meter_;
+  using Stage<Input, HttpObject>::position_;
+  using Stage<Input, HttpObject>::counted;
+
  public:
-  HttpGet(NodePtr<std::string> upstream, HttpOptions options)
-      : Stage(std::move(upstream)),
+  HttpGet(NodePtr<Input> upstream, HttpOptions options)
+      : Stage<Input, HttpObject>(std::move(upstream)),
         options_(options),
         capacity_(static_cast<uint64_t>(options.max_in_flight)),
         slots_(std::make_unique<Transfer[]>(static_cast<size_t>(options.max_in_flight))) {}
@@ -175,12 +251,12 @@ class HttpGet final : public Stage<std::string, HttpObject> {
   // that it is thrown at its place.
   void fill(bool blocking) {
     while (!upstream_done_ && tail_ - head_ < capacity_) {
-      std::optional<std::string> url;
+      std::optional<Input> item;
       try {
         if (blocking) {
-          url = pull();
+          item = pull();
         } else {
-          const Poll poll = upstream_->try_next(url);
+          const Poll poll = upstream_->try_next(item);
           if (poll == Poll::pending) return;
           if (poll == Poll::ready) {
             meter_.in.add(1);
@@ -194,24 +270,44 @@ class HttpGet final : public Stage<std::string, HttpObject> {
         transfer.own_error = false;
         continue;
       }
-      if (!url) {
+      if (!item) {
         upstream_done_ = true;
         return;
       }
-      admit(std::move(*url));
+      admit(std::move(*item));
     }
   }
 
-  void admit(std::string url) {
+  void admit(Input&& item) {
     Transfer& transfer = slot(tail_++);
-    transfer.url = std::move(url);
+    transfer.ranged = is_ranged(item);
+    HttpRange request = request_of(std::move(item));
+    transfer.url = std::move(request.url);
+    transfer.offset = request.offset;
+    transfer.length = request.length;
     transfer.attempts = 0;
     transfer.error = nullptr;
     transfer.own_error = true;
     try {
+      if (transfer.length == uint64_t{0}) {  // no bytes to ask for (HTTP has no empty range)
+        transfer.body.clear();
+        transfer.state = Transfer::State::done;
+        return;
+      }
+      if (transfer.length && *transfer.length > std::numeric_limits<uint64_t>::max() - transfer.offset) {
+        throw DataError("http_get: the range " + range_text(transfer) + " ends past 2^64", transfer.url);
+      }
       if (!transfer.easy) configure(transfer);
       if (curl_easy_setopt(transfer.easy, CURLOPT_URL, transfer.url.c_str()) != CURLE_OK) {
         throw DataError("http_get: libcurl refused the URL", transfer.url);
+      }
+      // Set or cleared per item: the slot's handle serves every item after.
+      const std::string range = transfer.ranged ? range_text(transfer).substr(6) : std::string();
+      // A ranged item's whole-object answer may exceed max_bytes; what it keeps may not (keep_slice).
+      const curl_off_t max_file = transfer.ranged ? 0 : max_file_size();
+      if (curl_easy_setopt(transfer.easy, CURLOPT_RANGE, transfer.ranged ? range.c_str() : nullptr) != CURLE_OK ||
+          curl_easy_setopt(transfer.easy, CURLOPT_MAXFILESIZE_LARGE, max_file) != CURLE_OK) {
+        throw DataError("http_get: libcurl refused the range " + range_text(transfer), transfer.url);
       }
       start(transfer);
     } catch (...) {
@@ -226,18 +322,20 @@ class HttpGet final : public Stage<std::string, HttpObject> {
     if (!easy) throw DataError("http_get: curl_easy_init failed (out of memory)", transfer.url);
     transfer.easy = easy;
     transfer.max_bytes = options_.max_bytes;
-    const auto max_file = static_cast<curl_off_t>(
-        std::min<uint64_t>(options_.max_bytes, static_cast<uint64_t>(std::numeric_limits<curl_off_t>::max())));
     const bool ok = io::detail::set_transfer_options(easy, options_, "conveyor-http_get") &&
                     curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &write_body) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_WRITEDATA, &transfer) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_HEADERFUNCTION, &read_header) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_HEADERDATA, &transfer) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_PRIVATE, &transfer) == CURLE_OK &&
-                    curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error_text) == CURLE_OK &&
-                    // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
-                    curl_easy_setopt(easy, CURLOPT_MAXFILESIZE_LARGE, max_file) == CURLE_OK;
+                    curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, transfer.error_text) == CURLE_OK;
     if (!ok) throw DataError("http_get: libcurl refused an option (out of memory?)", transfer.url);
+  }
+
+  // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
+  curl_off_t max_file_size() const noexcept {
+    return static_cast<curl_off_t>(
+        std::min<uint64_t>(options_.max_bytes, static_cast<uint64_t>(std::numeric_limits<curl_off_t>::max())));
   }
 
   // One attempt: into the multi handle; curl_multi_perform starts it.
@@ -245,6 +343,9 @@ class HttpGet final : public Stage<std::string, HttpObject> {
     transfer.body.clear();
     transfer.too_big = false;
     transfer.declared = -1;
+    transfer.skip_left = transfer.ranged ? transfer.offset : 0;
+    transfer.enough = false;
+    transfer.range_start = -1;
     transfer.error_text[0] = '\0';
     ++transfer.attempts;
     const CURLMcode code = curl_multi_add_handle(multi(), transfer.easy);
@@ -322,11 +423,27 @@ class HttpGet final : public Stage<std::string, HttpObject> {
     curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
     std::string why;
     bool retry = false;
-    if (result == CURLE_OK && status >= 200 && status < 300) {
+    const bool whole = result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.enough);
+    const bool over_length = transfer.length && transfer.body.size() > *transfer.length;
+    // A whole object cut to the range must reach into it (as a 206 does: a
+    // range starting at or past the end is a 416).
+    const bool before_range = transfer.ranged && status != 206 && transfer.body.empty();
+    if (whole && status >= 200 && status < 300 && !over_length && !before_range) {
       transfer.state = Transfer::State::done;
       return;
     }
-    if (result == CURLE_OK) {
+    if (whole && over_length) {
+      why = "the server sent " + std::to_string(transfer.body.size()) + " bytes for the range " + range_text(transfer);
+    } else if (whole && status >= 200 && status < 300) {
+      // A server without Range support sent the whole object, which ends
+      // before the range's first byte.
+      why = "the object ends at byte " + std::to_string(transfer.offset - transfer.skip_left) + ", before the range " +
+            range_text(transfer);
+    } else if (transfer.range_start >= 0) {
+      why = "the server answered the range " + range_text(transfer) + " from byte " +
+            (transfer.range_start == INT64_MAX ? std::string("(unreadable Content-Range)")
+                                               : std::to_string(transfer.range_start));
+    } else if (result == CURLE_OK) {
       why = "HTTP " + std::to_string(status);
       retry = status >= 500;
     } else if (transfer.too_big) {
@@ -351,6 +468,7 @@ class HttpGet final : public Stage<std::string, HttpObject> {
       ++waiting_;
       return;
     }
+    if (transfer.ranged && why.find(" range ") == std::string::npos) why += " (" + range_text(transfer) + ")";
     if (transfer.attempts > 1) why += " (after " + std::to_string(transfer.attempts) + " attempts)";
     transfer.error = std::make_exception_ptr(DataError("http_get: " + why, transfer.url));
     transfer.state = Transfer::State::done;
@@ -372,7 +490,7 @@ class HttpGet final : public Stage<std::string, HttpObject> {
       }
       std::rethrow_exception(error);
     }
-    out.emplace(HttpObject{std::exchange(transfer.url, {}), std::exchange(transfer.body, {})});
+    out.emplace(HttpObject{std::exchange(transfer.url, {}), std::exchange(transfer.body, {}), transfer.offset});
     return true;
   }
 
@@ -404,11 +522,17 @@ class HttpGet final : public Stage<std::string, HttpObject> {
 
 }  // namespace
 
-std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options) {
+Pipeline<HttpObject> HttpGetAdaptor::operator()(Pipeline<std::string>&& upstream) const {
+  return Pipeline<HttpObject>(std::make_unique<HttpGet<std::string>>(std::move(upstream).release(), options));
+}
+
+Pipeline<HttpObject> HttpGetAdaptor::operator()(Pipeline<HttpRange>&& upstream) const {
+  return Pipeline<HttpObject>(std::make_unique<HttpGet<HttpRange>>(std::move(upstream).release(), options));
+}
+
+HttpGetAdaptor http_get(HttpOptions options) {
   io::detail::validate(options, "http_get");
-  return [options](Pipeline<std::string>&& upstream) {
-    return Pipeline<HttpObject>(std::make_unique<HttpGet>(std::move(upstream).release(), options));
-  };
+  return HttpGetAdaptor{options};
 }
 
 }  // namespace conveyor::nodes

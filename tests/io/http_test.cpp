@@ -1,10 +1,12 @@
 // http_get against a real nginx on loopback (nginx_server.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "conveyor/nodes/http.h"
 #include "conveyor/nodes/sources.h"
 #include "nginx_server.h"
+#include "support/random_pipeline.h"
 #ifdef CONVEYOR_IO_TEST_FORMATS
 #include "conveyor/tar_shards.h"
 #endif
@@ -23,6 +26,7 @@ using conveyor::test::NginxServer;
 using std::chrono::milliseconds;
 
 constexpr int kObjects = 200;
+constexpr int kRangedObjects = 40;  // also served without Range support, for HttpRange
 
 // Object i's bytes: a size from 0 to ~96 KiB, filled from an LCG seeded by i.
 std::string object_bytes(int i) {
@@ -52,6 +56,8 @@ class HttpGetTest : public ::testing::Test {
     server_->write_file("big.bin", big);
     server_->write_file("slow/big.bin", big);
     server_->write_file("chunked/big.bin", big);
+    // The same objects where the server ignores Range (max_ranges 0).
+    for (int i = 0; i < kRangedObjects; ++i) server_->write_file("norange" + object_path(i), object_bytes(i));
     server_->start();
   }
   static void TearDownTestSuite() { server_.reset(); }
@@ -247,6 +253,80 @@ TEST_F(HttpGetTest, ABadUrlIsADataErrorNamingIt) {
   auto next = pass.next();
   ASSERT_TRUE(next);
   EXPECT_EQ(std::string(next->bytes.begin(), next->bytes.end()), object_bytes(6));
+}
+
+// Random ranges of random objects (past their end, to their end, empty),
+// against a server that answers Range (206) and one that ignores it (200,
+// the whole object, cut here): the same bytes, in input order; a range
+// starting at or past the end is a DataError naming the URL and the range,
+// in its place, or skipped and counted.
+TEST_F(HttpGetTest, RangesGiveTheirBytesWhetherOrNotTheServerAnswersRange) {
+  std::mt19937_64 rng = conveyor::testing::property_rng("HttpGetTest.Ranges");
+  for (const char* prefix : {"", "/norange"}) {
+    SCOPED_TRACE(std::string("server prefix '") + prefix + "'");
+    std::vector<HttpRange> ranges;
+    std::vector<std::optional<std::string>> expected;  // none: a DataError
+    for (int i = 0; i < 60; ++i) {
+      const int object = static_cast<int>(rng() % kRangedObjects);
+      const std::string bytes = object_bytes(object);
+      HttpRange range{server_->url(prefix + object_path(object))};
+      range.offset = rng() % (bytes.size() + 100);  // about one in ten past the end
+      if (i % 10 == 0) range.offset = bytes.size();  // at the end: nothing to give
+      if (rng() % 4 != 0) range.length = rng() % 5 == 0 ? 0 : 1 + rng() % 40'000;
+      const bool empty = range.length == uint64_t{0};
+      if (!empty && range.offset >= bytes.size()) {
+        expected.push_back(std::nullopt);
+      } else {
+        expected.push_back(empty ? std::string() : bytes.substr(range.offset, range.length.value_or(std::string::npos)));
+      }
+      ranges.push_back(range);
+    }
+    for (int window : {1, 8}) {
+      auto pipeline = from_vector(ranges) | http_get({.max_in_flight = window, .retries = 0});
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        const std::string range_text = "bytes " + std::to_string(ranges[i].offset) + "-";
+        if (!expected[i]) {
+          const DataError error = next_error(pass);
+          EXPECT_EQ(error.file(), ranges[i].url) << "item " << i;
+          EXPECT_NE(std::string(error.what()).find(range_text), std::string::npos) << error.what();
+          continue;
+        }
+        std::optional<HttpObject> object = pass.next();
+        ASSERT_TRUE(object) << "item " << i;
+        EXPECT_EQ(object->url, ranges[i].url);
+        EXPECT_EQ(object->offset, ranges[i].offset);
+        ASSERT_EQ(std::string(object->bytes.begin(), object->bytes.end()), *expected[i])
+            << "item " << i << ": " << range_text << " of " << ranges[i].url << ", window " << window;
+      }
+      EXPECT_FALSE(pass.next());
+    }
+    auto skipping = from_vector(ranges) | http_get({.max_in_flight = 8, .retries = 0, .on_error = OnError::skip});
+    size_t got = 0;
+    for (HttpObject& object : skipping.pass()) got += object.url.empty() ? 0 : 1;
+    const auto failures = static_cast<uint64_t>(std::count(expected.begin(), expected.end(), std::nullopt));
+    EXPECT_EQ(got, ranges.size() - failures);
+    EXPECT_EQ(skipping.metrics().back().skipped, failures);
+  }
+  // Each server answered as meant: ranges (206) from one, whole objects (200) from the other.
+  int partial = 0, partial_from_norange = 0;
+  for (int i = 0; i < kRangedObjects; ++i) {
+    for (int status : server_->statuses_logged(object_path(i))) partial += status == 206;
+    for (int status : server_->statuses_logged("/norange" + object_path(i))) partial_from_norange += status == 206;
+  }
+  EXPECT_GT(partial, 0);
+  EXPECT_EQ(partial_from_norange, 0);
+}
+
+// A ranged GET is retried as the whole item was (5xx here), and its final
+// error names the range.
+TEST_F(HttpGetTest, ARangeIsRetriedThenReportedNamingIt) {
+  auto pipeline = from_vector(std::vector<HttpRange>{{server_->url("/error500/r"), 10, 20}}) |
+                  http_get({.retries = 2, .backoff = milliseconds(5)});
+  auto pass = pipeline.pass();
+  const std::string what = next_error(pass).what();
+  EXPECT_NE(what.find("HTTP 500 (bytes 10-29)"), std::string::npos) << what;
+  EXPECT_NE(what.find("(after 3 attempts)"), std::string::npos) << what;
 }
 
 TEST(HttpGetOptions, OutOfRangeIsAValueError) {

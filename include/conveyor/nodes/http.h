@@ -8,6 +8,8 @@
 //                       max_in_flight transfers outstanding on ONE thread (the
 //                       caller's: libcurl's multi interface, no thread parked
 //                       per request), handed out in input order.
+//                       HttpRange{url, offset, length} -> the object's bytes
+//                       [offset, offset + length): random access by Range.
 //
 // Contract (as every node, conveyor/node.h):
 // - next() waits (curl_multi_poll) for the next object in input order;
@@ -36,6 +38,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,7 +50,22 @@ namespace conveyor::nodes {
 
 struct HttpObject {
   std::string url;
-  std::vector<uint8_t> bytes;  // the response body (2xx)
+  std::vector<uint8_t> bytes;  // the response body (2xx): the object, or the range asked for
+  uint64_t offset = 0;         // the first byte's place in the object (an HttpRange's offset)
+};
+
+// Part of an object, for random access (a member inside a tar shard, a
+// record of an indexed file): `length` bytes from byte `offset`, or to the
+// object's end when `length` is none. Asked for with a Range header; a
+// server that ignores it and sends the whole object is cut to the range
+// (its bytes before `offset` read and dropped). A range that reaches past
+// the object's end gives the bytes up to it, as pread() does; one that
+// starts past it is a DataError (HTTP 416). A length of 0 gives no bytes
+// without a request.
+struct HttpRange {
+  std::string url;
+  uint64_t offset = 0;
+  std::optional<uint64_t> length = std::nullopt;
 };
 
 struct HttpOptions {
@@ -80,9 +98,16 @@ struct HttpOptions {
   OnError on_error = OnError::raise;
 };
 
-// Pipeline<std::string> (URLs: http:// or https://) -> Pipeline<HttpObject>.
+// Pipeline<std::string> (URLs: http:// or https://) or Pipeline<HttpRange>
+// -> Pipeline<HttpObject>. max_bytes bounds what an item keeps (a range's
+// bytes). Errors for a range name it ("HTTP 416 (bytes 100-199)").
+struct HttpGetAdaptor {
+  HttpOptions options;
+  Pipeline<HttpObject> operator()(Pipeline<std::string>&& upstream) const;
+  Pipeline<HttpObject> operator()(Pipeline<HttpRange>&& upstream) const;
+};
 // Throws ValueError for options out of range.
-std::function<Pipeline<HttpObject>(Pipeline<std::string>&&)> http_get(HttpOptions options = {});
+HttpGetAdaptor http_get(HttpOptions options = {});
 
 // Streams http(s):// URLs for untar and TarShardDataset (their `open`):
 // a tar shard is read as it arrives, never stored whole, with at most

@@ -193,9 +193,12 @@ TEST_F(HttpShardTest, AUrlPatternGivenToUntarIsRefusedWithoutARequest) {
   EXPECT_EQ(requested(), before);
 }
 
+// A 404 and a closed connection (nginx's 444) between two shards: each is
+// a DataError in its place naming the URL, or skipped and counted once.
 TEST_F(HttpShardTest, MissingShardIsADataErrorNamingTheUrlAndStatusOrSkipped) {
   TarShardOptions options;
-  options.shards = {urls()[0], server_->url("/shards/absent.tar"), urls()[1]};
+  options.shards = {urls()[0], server_->url("/shards/absent.tar"), server_->url("/reset/part-000001.tar"),
+                    urls()[1]};
   options.open = http_opener({.retries = 0});
   TarShardDataset raising(options);
   auto iterator = raising.iter(nullptr);
@@ -206,18 +209,23 @@ TEST_F(HttpShardTest, MissingShardIsADataErrorNamingTheUrlAndStatusOrSkipped) {
       if (!sample) break;
       events.push_back(sample->key);
     } catch (const DataError& error) {
-      EXPECT_EQ(error.file(), options.shards[1]);
-      EXPECT_NE(std::string(error.what()).find("HTTP 404"), std::string::npos) << error.what();
+      const bool missing = events.size() == kSamplesPerShard;
+      EXPECT_EQ(error.file(), options.shards[missing ? 1 : 2]);
+      EXPECT_NE(std::string(error.what()).find(missing ? "HTTP 404" : "Server returned nothing"), std::string::npos)
+          << error.what();
       events.push_back("error");
     }
   }
-  ASSERT_EQ(events.size(), 2u * kSamplesPerShard + 1);
+  ASSERT_EQ(events.size(), 2u * kSamplesPerShard + 2);
   EXPECT_EQ(events[kSamplesPerShard], "error");
+  EXPECT_EQ(events[kSamplesPerShard + 1], "error");
 
   options.on_error = OnError::skip;
   TarShardDataset skipping(options);
-  EXPECT_EQ(drain(skipping).size(), 2u * kSamplesPerShard);
-  EXPECT_EQ(skipping.skipped(), 1u);
+  const std::vector<ShardSample> kept = drain(skipping);
+  ASSERT_EQ(kept.size(), 2u * kSamplesPerShard);
+  for (size_t i = 0; i < kept.size(); ++i) EXPECT_EQ(kept[i].key, key_of(static_cast<int>(i)));
+  EXPECT_EQ(skipping.skipped(), 2u);
 }
 
 TEST_F(HttpShardTest, ServerErrorsAreRetriedThenReported) {

@@ -22,6 +22,7 @@
 #include <iterator>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -1366,6 +1367,152 @@ TEST(TarNodes, BracePatternsExpandWhereTheShardsAreListedAndUntarRefusesThem) {
   for (auto& member : skipping.pass()) members += member.archive == literal ? 1 : 100;
   EXPECT_EQ(members, 8u);
   EXPECT_EQ(skipping.metrics().back().skipped, 1u);
+}
+
+// ---- list_files, read_files and decode_image as nodes ---------------------------
+
+TEST(FileNodes, ListFilesFindsRegularFilesSortedAndRecursesOnRequest) {
+  TempDir dir;
+  fs::create_directories(dir.file("a/b"));
+  fs::create_directories(dir.file("d.tar"));  // a directory matching the glob: not listed
+  for (const char* name : {"z.tar", "a/x.tar", "a/b/y.tar", "a/notes.txt"}) write_bytes(dir.file(name), text(name));
+  fs::create_symlink(dir.file("z.tar"), dir.file("a/link.tar"));  // a link to a regular file is one
+  const auto listed = [](conveyor::Pipeline<std::string>&& pipeline) {
+    std::vector<std::string> paths;
+    for (std::string& path : pipeline.pass()) paths.push_back(path);
+    return paths;
+  };
+  EXPECT_EQ(listed(nodes::list_files(dir.file(""), "*.tar")), (std::vector<std::string>{dir.file("z.tar")}));
+  EXPECT_EQ(listed(nodes::list_files(dir.file(""), "*.tar", {.recursive = true})),
+            (std::vector<std::string>{dir.file("a/b/y.tar"), dir.file("a/link.tar"), dir.file("a/x.tar"),
+                                      dir.file("z.tar")}));
+  // Nothing is listed before the first pass: a root that appears in time is read.
+  auto later = nodes::list_files(dir.file("later"), "*");
+  fs::create_directories(dir.file("later"));
+  write_bytes(dir.file("later/one"), text("1"));
+  EXPECT_EQ(listed(std::move(later)), (std::vector<std::string>{dir.file("later/one")}));
+  auto not_a_directory = nodes::list_files(dir.file("z.tar"), "*");
+  try {
+    (void)not_a_directory.pass().next();
+    ADD_FAILURE() << "a file was listed as a directory";
+  } catch (const DataError& e) {
+    EXPECT_EQ(e.file(), dir.file("z.tar"));
+    EXPECT_NE(std::string(e.what()).find("not a directory"), std::string::npos) << e.what();
+  }
+}
+
+// Takes up to `most` outcomes of a pass into `events`: items as text
+// (`show`), errors as "error:" with the node (a NodeError's) and the file
+// they name. False at the pass's end.
+template <class Pass, class Show>
+bool take_outcomes(Pass& pass, Show show, std::vector<std::string>& events, size_t most = SIZE_MAX) {
+  for (size_t taken = 0; taken < most; ++taken) {
+    try {
+      auto item = pass.next();
+      if (!item) return false;
+      events.push_back(show(*item));
+    } catch (const conveyor::NodeError& e) {
+      try {
+        std::rethrow_exception(e.original());
+      } catch (const DataError& original) {
+        events.push_back("error:" + e.node() + ":" + original.file());
+      }
+    } catch (const DataError& e) {
+      events.push_back("error:" + e.file());
+    }
+  }
+  return true;
+}
+
+// A whole pass of make()'s pipeline, then the same pass saved after each
+// number of outcomes and resumed in a new pipeline: the same outcomes.
+template <class Make, class Show>
+std::vector<std::string> check_resumes_anywhere(Make make, Show show, const std::string& what) {
+  auto whole = make();
+  std::vector<std::string> all;
+  auto whole_pass = whole.pass();
+  take_outcomes(whole_pass, show, all);
+  for (size_t taken = 0; taken <= all.size(); ++taken) {
+    std::vector<std::string> resumed;
+    std::string saved;
+    {
+      auto first = make();
+      auto pass = first.pass();
+      take_outcomes(pass, show, resumed, taken);
+      saved = first.state().to_json();
+    }
+    auto second = make();
+    second.load_state(conveyor::State::from_json(saved));
+    auto pass = second.pass();
+    take_outcomes(pass, show, resumed);
+    EXPECT_EQ(resumed, all) << what << ": resumed after " << taken;
+  }
+  return all;
+}
+
+// Each file read_files cannot read is a DataError naming it, in its place,
+// or (skip) dropped and counted; a pass resumed after any item gives the
+// rest as the whole pass did.
+TEST(FileNodes, ReadFilesRaisesOrSkipsAFileItCannotReadAndResumesEitherWay) {
+  TempDir dir;
+  write_bytes(dir.file("one"), text("first"));
+  write_bytes(dir.file("two"), text("second"));
+  write_bytes(dir.file("big"), std::vector<uint8_t>(100, 1));
+  fs::create_directories(dir.file("directory"));
+  ASSERT_EQ(mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  const std::vector<std::string> paths = {dir.file("one"), dir.file("missing"), dir.file("fifo"),
+                                          dir.file("directory"), dir.file("big"), dir.file("two")};
+  const auto show = [](const nodes::FileBytes& file) { return file.path + "=" + std::string(file.bytes.begin(), file.bytes.end()); };
+  for (OnError on_error : {OnError::raise, OnError::skip}) {
+    const auto make = [&] { return nodes::from_vector(paths) | nodes::read_files({.max_bytes = 50, .on_error = on_error}); };
+    const std::vector<std::string> all =
+        check_resumes_anywhere(make, show, on_error == OnError::skip ? "skipping" : "raising");
+    if (on_error == OnError::raise) {
+      EXPECT_EQ(all, (std::vector<std::string>{paths[0] + "=first", "error:" + paths[1], "error:" + paths[2],
+                                               "error:" + paths[3], "error:" + paths[4], paths[5] + "=second"}));
+    } else {
+      EXPECT_EQ(all, (std::vector<std::string>{paths[0] + "=first", paths[5] + "=second"}));
+      auto whole = make();
+      for (auto& file : whole.pass()) (void)file;
+      EXPECT_EQ(whole.metrics().back().skipped, 4u);
+    }
+  }
+}
+
+// decode_image refuses what does not decode in its place: a NodeError
+// naming the node, the decoder's DataError nested; or (skip) drops and
+// counts it. The images that decode are decode_image()'s.
+TEST(FileNodes, DecodeImageRaisesOrSkipsAnImageThatDoesNotDecodeAndResumesEitherWay) {
+  conveyor::Array<uint8_t> image({3, 4, 5});
+  for (size_t i = 0; i < image.numel(); ++i) image.values()[i] = static_cast<uint8_t>(i * 7);
+  const std::vector<uint8_t> png = conveyor::encode_png(image);
+  const std::vector<uint8_t> jpeg = conveyor::encode_jpeg(image);
+  std::vector<uint8_t> truncated(png.begin(), png.begin() + static_cast<std::ptrdiff_t>(png.size() / 2));
+  const std::vector<std::vector<uint8_t>> encoded = {png, text("not an image"), jpeg, truncated, png};
+  const auto show = [](const conveyor::Array<uint8_t>& decoded) {
+    std::string text;
+    for (int64_t d : decoded.shape()) text += std::to_string(d) + "x";
+    return text + std::to_string(std::accumulate(decoded.values().begin(), decoded.values().end(), uint64_t{0}));
+  };
+  const std::string from_png = show(conveyor::decode_image(png, "png"));
+  const std::string from_jpeg = show(conveyor::decode_image(jpeg, "jpeg"));
+  EXPECT_EQ(from_png.substr(0, 6), "3x4x5x");
+  for (OnError on_error : {OnError::raise, OnError::skip}) {
+    const auto make = [&] { return nodes::from_vector(encoded) | nodes::decode_image(0, on_error); };
+    const std::vector<std::string> all =
+        check_resumes_anywhere(make, show, on_error == OnError::skip ? "skipping" : "raising");
+    if (on_error == OnError::raise) {
+      const std::string error = "error:decode_image:";
+      ASSERT_EQ(all.size(), 5u);
+      EXPECT_EQ(all, (std::vector<std::string>{from_png, all[1], from_jpeg, all[3], from_png}));
+      EXPECT_TRUE(all[1].starts_with(error) && all[3].starts_with(error)) << all[1] << ", " << all[3];
+    } else {
+      EXPECT_EQ(all, (std::vector<std::string>{from_png, from_jpeg, from_png}));
+      auto whole = make();
+      for (auto& decoded : whole.pass()) (void)decoded;
+      EXPECT_EQ(whole.metrics().back().skipped, 2u);
+    }
+  }
 }
 
 // A URL given where no opener reads URLs fails as a missing file would,

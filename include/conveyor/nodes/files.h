@@ -68,6 +68,10 @@ Pipeline<std::string> from_shard_patterns(std::vector<std::string> patterns);
 
 struct ReadFilesOptions {
   uint64_t max_bytes = uint64_t{1} << 32;  // a larger file is a DataError
+  // A file that cannot be read (missing, not a regular file, over max_bytes,
+  // a read error): raise, a DataError naming it at its place; skip, dropped
+  // and counted (metrics().back().skipped).
+  OnError on_error = OnError::raise;
 };
 // Pipeline<std::string> -> Pipeline<FileBytes>.
 std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFilesOptions options = {});
@@ -125,7 +129,11 @@ struct GroupByKeyOptions {
 std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key(GroupByKeyOptions options = {});
 
 // Pipeline<std::vector<uint8_t>> -> Pipeline<Array<uint8_t>>; `channels` as
-// decode_image's (0 keeps the stored count).
-std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(int channels = 0);
+// decode_image's (0 keeps the stored count). An image that does not decode
+// (corrupt, truncated, over the pixel limit: image.h): raise, a NodeError
+// naming the node and the item's position, the decoder's DataError nested;
+// skip, dropped and counted.
+std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(
+    int channels = 0, OnError on_error = OnError::raise);
 
 }  // namespace conveyor::nodes

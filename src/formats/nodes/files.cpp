@@ -73,20 +73,24 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
   ReadFiles(NodePtr<std::string> upstream, ReadFilesOptions options)
       : Stage(std::move(upstream)), options_(options) {}
   std::optional<FileBytes> produce() override {
-    std::optional<std::string> path = pull();
-    if (!path) return std::nullopt;
-    try {
-      return FileBytes{*path, read(*path)};
-    } catch (const DataError&) {
-      throw;  // names the file already
-    } catch (...) {
-      conveyor::detail::throw_node_error(name(), position());
+    while (true) {
+      std::optional<std::string> path = pull();
+      if (!path) return std::nullopt;
+      try {
+        return FileBytes{*path, read(*path)};
+      } catch (const DataError&) {
+        if (options_.on_error == OnError::raise) throw;  // names the file already
+        this->meter_.skipped.add(1);
+      } catch (...) {
+        conveyor::detail::throw_node_error(name(), position());
+      }
     }
   }
   std::string name() const override { return "read_files"; }
-  // One file a path, unread (a file that failed was an output too).
+  // One file a path, unread (a file that failed was an output too). A
+  // skipped file is no output: those are read to be counted out.
   uint64_t skip(uint64_t count, bool clean) override {
-    if (!clean) return Stage::skip(count, clean);
+    if (!clean || options_.on_error == OnError::skip) return Stage::skip(count, clean);
     return skip_upstream(count, clean);
   }
 
@@ -119,24 +123,32 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
 
 class DecodeImage final : public Stage<std::vector<uint8_t>, Array<uint8_t>> {
  public:
-  DecodeImage(NodePtr<std::vector<uint8_t>> upstream, int channels) : Stage(std::move(upstream)), channels_(channels) {}
+  DecodeImage(NodePtr<std::vector<uint8_t>> upstream, int channels, OnError on_error)
+      : Stage(std::move(upstream)), channels_(channels), on_error_(on_error) {}
   std::optional<Array<uint8_t>> produce() override {
-    std::optional<std::vector<uint8_t>> bytes = pull();
-    if (!bytes) return std::nullopt;
-    try {
-      return conveyor::decode_image(*bytes, "item " + std::to_string(position()), channels_);
-    } catch (...) {
-      conveyor::detail::throw_node_error(name(), position());
+    while (true) {
+      std::optional<std::vector<uint8_t>> bytes = pull();
+      if (!bytes) return std::nullopt;
+      try {
+        return conveyor::decode_image(*bytes, "item " + std::to_string(position()), channels_);
+      } catch (const DataError&) {
+        if (on_error_ == OnError::raise) conveyor::detail::throw_node_error(name(), position());
+        this->meter_.skipped.add(1);
+      } catch (...) {
+        conveyor::detail::throw_node_error(name(), position());
+      }
     }
   }
   std::string name() const override { return "decode_image"; }
+  // One image an item; a skipped one is no output: those are decoded to be counted out.
   uint64_t skip(uint64_t count, bool clean) override {
-    if (!clean) return Stage::skip(count, clean);
+    if (!clean || on_error_ == OnError::skip) return Stage::skip(count, clean);
     return skip_upstream(count, clean);
   }
 
  private:
   int channels_;
+  OnError on_error_;
 };
 
 }  // namespace
@@ -155,9 +167,10 @@ std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFiles
   };
 }
 
-std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(int channels) {
-  return [channels](Pipeline<std::vector<uint8_t>>&& upstream) {
-    return Pipeline<Array<uint8_t>>(std::make_unique<DecodeImage>(std::move(upstream).release(), channels));
+std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(int channels,
+                                                                                      OnError on_error) {
+  return [channels, on_error](Pipeline<std::vector<uint8_t>>&& upstream) {
+    return Pipeline<Array<uint8_t>>(std::make_unique<DecodeImage>(std::move(upstream).release(), channels, on_error));
   };
 }
 

@@ -71,7 +71,7 @@ class HttpShardTest : public ::testing::Test {
   }
   static void TearDownTestSuite() { server_.reset(); }
   void SetUp() override {
-    if (!server_) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";
+    CONVEYOR_NGINX_SKIP_WITHOUT(server_ != nullptr);
   }
 
   static std::string url_pattern() {
@@ -280,7 +280,7 @@ TEST_F(HttpShardTest, AClosedConnectionIsRetriedThenReported) {
 // listening and it ends as a DataError naming its URL; under
 // OnError::skip the same samples arrive and the cut shard is counted.
 TEST(HttpShardServerStopped, MidShardTheSamplesBeforeTheCutArriveOnceThenADataErrorOrASkip) {
-  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  CONVEYOR_NGINX_SKIP_WITHOUT(!NginxServer::binary().empty());
   constexpr int kBigSamples = 40;  // 1 MiB each: most of the shard is still on the server at the cut
   for (const OnError on_error : {OnError::raise, OnError::skip}) {
     NginxServer server;
@@ -349,7 +349,7 @@ TEST(HttpOpenerOptions, OutOfRangeIsAValueError) {
 class HttpStreamResume : public ::testing::TestWithParam<bool> {};
 
 TEST_P(HttpStreamResume, AStreamCutMidObjectResumesWhereItStopped) {
-  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  CONVEYOR_NGINX_SKIP_WITHOUT(!NginxServer::binary().empty());
   const bool ranges = GetParam();
   NginxServer server;
   // 32 MiB: far more than the stream buffers (1 MiB) and loopback's socket

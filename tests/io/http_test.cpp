@@ -62,7 +62,7 @@ class HttpGetTest : public ::testing::Test {
   }
   static void TearDownTestSuite() { server_.reset(); }
   void SetUp() override {
-    if (!server_) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";
+    CONVEYOR_NGINX_SKIP_WITHOUT(server_ != nullptr);
   }
 
   static std::vector<std::string> object_urls() {
@@ -347,7 +347,7 @@ TEST(HttpGetOptions, OutOfRangeIsAValueError) {
 // The server stopped mid-pass: every object is either whole or a DataError
 // naming its URL, in its place; none lost or duplicated; no hang.
 TEST(HttpGetServerStopped, MidPassGivesErrorsNotHangs) {
-  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  CONVEYOR_NGINX_SKIP_WITHOUT(!NginxServer::binary().empty());
   NginxServer server;
   std::vector<std::string> urls;
   for (int i = 0; i < kObjects; ++i) {

@@ -66,6 +66,11 @@ std::string read_text(const std::string& path) {
 
 }  // namespace
 
+bool NginxServer::required() {
+  const char* value = std::getenv("CONVEYOR_REQUIRE_NGINX");
+  return value != nullptr && std::string(value) == "1";
+}
+
 std::string NginxServer::binary() {
   for (const std::string& candidate : {std::string(CONVEYOR_NGINX), std::string("/usr/sbin/nginx")}) {
     if (!candidate.empty() && ::access(candidate.c_str(), X_OK) == 0) return candidate;

@@ -15,12 +15,27 @@
 #include <string>
 #include <vector>
 
+// In a test or a fixture's SetUp: without nginx (`available` false), skip
+// the test saying so, or fail it where NginxServer::required().
+#define CONVEYOR_NGINX_SKIP_WITHOUT(available)                                                      \
+  if (!(available)) {                                                                              \
+    if (::conveyor::test::NginxServer::required()) {                                               \
+      FAIL() << "nginx is not installed and CONVEYOR_REQUIRE_NGINX is set (scripts/setup installs " \
+                "nginx-light)";                                                                    \
+    }                                                                                              \
+    GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";     \
+  }
+
 namespace conveyor::test {
 
 class NginxServer {
  public:
-  // The nginx binary, or "" when none is installed (tests skip then).
+  // The nginx binary, or "" when none is installed: the tests skip then,
+  // or fail where required() (CONVEYOR_NGINX_SKIP_WITHOUT).
   static std::string binary();
+  // CONVEYOR_REQUIRE_NGINX=1 in the environment (scripts/test sets it, as
+  // scripts/setup installs nginx): a missing nginx fails the tests.
+  static bool required();
 
   // Makes the temporary directory with an empty www/; start() serves it.
   NginxServer();

@@ -45,7 +45,7 @@ std::string first_match(const std::string& output, const char* pattern) {
 }
 
 TEST(TrainerOverHttp, SameLossCurveAndAccuracyAsFromDisk) {
-  if (NginxServer::binary().empty()) GTEST_SKIP() << "nginx is not installed (Debian: nginx-light)";
+  CONVEYOR_NGINX_SKIP_WITHOUT(!NginxServer::binary().empty());
   NginxServer server;
   const std::string directory = server.www() + "/shards";
   // Two workers, each streaming shards of its own; one LibTorch thread so

@@ -552,6 +552,40 @@ TEST(Combine, JoinTakesFromWhicheverIsReadyAndLosesNothing) {
   EXPECT_EQ(items, (std::vector<int64_t>{0, 1, 2, 3, 4, 100, 101}));
 }
 
+// An upstream error is an item of the fork: each consumer meets it in its
+// place, whichever consumer's pull met it first, and goes on past it.
+TEST(Combine, ForkGivesEveryConsumerEveryErrorInItsPlace) {
+  for (const bool b_first : {false, true}) {
+    auto outputs = nodes::fork(nodes::from_range(0, 6) | nodes::map([](int64_t x) {
+                                 if (x == 2 || x == 3) throw std::runtime_error("fails on " + std::to_string(x));
+                                 return x;
+                               }),
+                               2, /*buffer=*/8);
+    auto a = outputs[0].pass();
+    auto b = outputs[1].pass();
+    const auto take_all = [](auto& pass) {
+      std::vector<std::string> got;
+      while (true) {
+        try {
+          std::optional<int64_t> x = pass.next();
+          if (!x) return got;
+          got.push_back(std::to_string(*x));
+        } catch (const conveyor::NodeError& e) {
+          got.push_back("error at " + std::to_string(e.position()));
+        }
+      }
+    };
+    const std::vector<std::string> expected = {"0", "1", "error at 2", "error at 3", "4", "5"};
+    if (b_first) {
+      EXPECT_EQ(take_all(b), expected);
+    }
+    EXPECT_EQ(take_all(a), expected) << (b_first ? "b first" : "a first");
+    if (!b_first) {
+      EXPECT_EQ(take_all(b), expected);
+    }
+  }
+}
+
 TEST(Combine, ForkGivesEveryConsumerEveryItemWithinItsBuffer) {
   auto outputs = nodes::fork(nodes::from_range(0, 6), 2, /*buffer=*/3);
   auto a = outputs[0].pass();

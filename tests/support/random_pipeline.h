@@ -3,10 +3,17 @@
 #pragma once
 
 #include <conveyor/nodes.h>
+#include <conveyor/nodes/async.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <condition_variable>
 #include <cstdlib>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -81,15 +88,64 @@ Pipeline<T> stutter(Pipeline<T>&& upstream, uint64_t seed) {
   return Pipeline<T>(std::make_unique<Stutter<T>>(std::move(upstream).release(), seed));
 }
 
+// A stand-in for an I/O engine's completion thread: work handed to later()
+// runs on one background thread, in the order given, after whatever is
+// queued before it.
+class LateCompleter {
+ public:
+  static LateCompleter& instance() {
+    static LateCompleter completer;
+    return completer;
+  }
+  void later(std::function<void()> work) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    wake_.notify_one();
+  }
+  ~LateCompleter() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  LateCompleter() : thread_([this] { run(); }) {}
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      std::function<void()> work = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      work();
+      lock.lock();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the rest is built
+};
+
 // A pipeline drawn from `rng`: a range, then a few stages; each stage's
 // parallel form (workers from `parallel`, 0 for none) yields what its serial
 // form yields. Some stages fail on some items (skipped, or raised in their
 // place); some spin a random while; some draw from the item's generator.
 // A map handing items out as they finish (in_order = false) is followed
 // only by stages that treat items one by one; `ordered` is then false and
-// the runs are compared as multisets (the serial run is in order anyway).
-// Some stages merge in a second random pipeline (mux, weighted_mux, zip),
-// drawn in order and at most two levels deep. A cache sits only where its
+// the runs are compared as multisets.
+// Some stages merge in a second random pipeline (mux, weighted_mux, zip,
+// and join, whose order is timing's: `ordered` false), drawn in order and at
+// most two levels deep; a fork's two consumers are zipped back together; a
+// repeat runs what is upstream twice; an async_map completes some items at
+// once and the rest later on another thread (LateCompleter). A cache sits only where its
 // pass is always read to the end (not in a merged pipeline, nothing after
 // it that stops early): a parallel node after it may read ahead to the end
 // of a pass the consumer left, completing the cache in one run and not the
@@ -97,7 +153,7 @@ Pipeline<T> stutter(Pipeline<T>&& upstream, uint64_t seed) {
 // Stutter follows the source and every stage: the drawn graph is the same.
 inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, bool& ordered, int depth = 0,
                                   bool allow_unordered = true, uint64_t stutter = 0) {
-  std::uniform_int_distribution<int> pick(0, 14);
+  std::uniform_int_distribution<int> pick(0, 18);
   ordered = true;
   bool cached = false;  // a cache upstream: nothing may cut its pass short
   const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
@@ -114,8 +170,8 @@ inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, boo
     // serial run's: no stage whose output depends on them (shuffle, batch,
     // the item's generator, an error's position).
     if (!ordered && (kind == 2 || kind == 4 || kind == 6 || kind == 7 || kind >= 10)) kind = 1;
-    if (kind == 8 && !allow_unordered) kind = 5;
-    if (kind >= 11 && kind <= 13 && depth >= 2) kind = 9;
+    if ((kind == 8 || kind == 15) && !allow_unordered) kind = 5;
+    if (((kind >= 11 && kind <= 13) || kind == 15 || kind == 16) && depth >= 2) kind = 9;
     if (kind == 14 && depth > 0) kind = 9;
     if (cached && (kind == 10 || kind == 13)) kind = 5;
     const int64_t k = std::uniform_int_distribution<int64_t>(2, 9)(rng);
@@ -196,6 +252,54 @@ inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, boo
         p = std::move(p) | nodes::cache();
         cached = true;
         break;
+      case 15: {  // whichever is ready first: the order is timing's
+        bool other_ordered = true;
+        Pipeline<int64_t> other =
+            random_pipeline(std::mt19937_64(rng()), parallel, other_ordered, depth + 1, /*allow_unordered=*/false,
+                            stutter == 0 ? 0 : stutter * 7 + static_cast<uint64_t>(s) + 1);
+        std::vector<Pipeline<int64_t>> sources;
+        sources.push_back(std::move(p));
+        sources.push_back(std::move(other));
+        p = nodes::join(std::move(sources));
+        ordered = false;
+        break;
+      }
+      case 16: {  // two consumers of one upstream, zipped back together
+        std::vector<Pipeline<int64_t>> consumers = nodes::fork(std::move(p), 2, 4096);
+        Pipeline<int64_t> shifted =
+            std::move(consumers[1]) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
+        p = nodes::zip(std::move(consumers[0]), std::move(shifted)) |
+            nodes::map([](std::pair<int64_t, int64_t>&& pair) { return pair.first * 3 + pair.second; });
+        break;
+      }
+      case 17:
+        p = std::move(p) | nodes::repeat(2);
+        break;
+      case 18: {  // completed at once or later on another thread; failures through fail()
+        const auto on_error = k % 2 == 0 ? conveyor::OnError::skip : conveyor::OnError::raise;
+        p = std::move(p) | nodes::async_map<int64_t>(
+                               [work, delay_seed](int64_t x, nodes::Completion<int64_t> done) {
+                                 auto complete = [work, x](nodes::Completion<int64_t>& completion) {
+                                   int64_t value = 0;
+                                   try {
+                                     value = work(x);
+                                   } catch (...) {
+                                     const std::exception_ptr error = std::current_exception();
+                                     completion.fail(error);
+                                     return;
+                                   }
+                                   completion(value);
+                                 };
+                                 if ((static_cast<uint64_t>(x) ^ delay_seed) % 3 == 0) {
+                                   complete(done);
+                                   return;
+                                 }
+                                 auto held = std::make_shared<nodes::Completion<int64_t>>(std::move(done));
+                                 LateCompleter::instance().later([complete, held] { complete(*held); });
+                               },
+                               {.max_in_flight = static_cast<int>(k * 4), .on_error = on_error});
+        break;
+      }
       default:
         p = std::move(p) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
         break;

@@ -6,13 +6,15 @@
 //                              those not exhausted, drawn from the item's seed
 //   join({a, b, ...})          whichever source has an item ready first (the
 //                              RFC's GreedyJoin: the order depends on timing)
-//   fork(p, n, buffer)         n pipelines that each see every item of p, at
-//                              most `buffer` items apart (the RFC's Multiply)
+//   fork(p, n, buffer)         n pipelines that each see every item of p (and
+//                              every error, in its place), at most `buffer`
+//                              items apart (the RFC's Multiply)
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -452,7 +454,10 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // fork: the consumers share the upstream and a buffer of the items not every
 // consumer has taken yet (at most `buffer` items). A consumer that gets
 // further ahead of the slowest than that is an error: in one thread it
-// would otherwise wait for ever.
+// would otherwise wait for ever. The consumers are advanced by one thread at
+// a time (they share upstream without a lock): where they meet again (zip,
+// mux) or are taken in turn by one consumer, not each behind its own
+// prefetch.
 template <class T>
 class ForkState {
  public:
@@ -519,19 +524,29 @@ class ForkState {
         throw ValueError("fork: consumer " + std::to_string(consumer) + " is " + std::to_string(items_.size()) +
                          " items ahead of the slowest, the buffer's limit; take from the others or raise it");
       }
-      std::optional<T> item;
-      if (!polling) {
-        item = upstream_->next();
-      } else if (upstream_->try_next(item) == Poll::pending) {
-        throw detail::UpstreamPending{};
+      Entry entry;
+      try {
+        if (!polling) {
+          entry.item = upstream_->next();
+        } else if (upstream_->try_next(entry.item) == Poll::pending) {
+          throw detail::UpstreamPending{};
+        }
+      } catch (const detail::UpstreamPending&) {
+        throw;
+      } catch (...) {
+        // An upstream error is an entry: every consumer meets it in its place.
+        entry.error = std::current_exception();
       }
-      if (!item) {
+      if (!entry.item && !entry.error) {
         ended_ = true;
         return std::nullopt;
       }
-      items_.push_back(std::move(*item));
+      items_.push_back(std::move(entry));
     }
-    T out = items_[static_cast<size_t>(taken - base_)];
+    const Entry& entry = items_[static_cast<size_t>(taken - base_)];
+    std::optional<T> out;
+    std::exception_ptr error = entry.error;
+    if (!error) out = *entry.item;
     ++taken;
     // Drop what every consumer has taken.
     const uint64_t slowest = *std::min_element(taken_.begin(), taken_.end());
@@ -539,12 +554,18 @@ class ForkState {
       items_.pop_front();
       ++base_;
     }
+    if (error) std::rethrow_exception(error);
     return out;
   }
 
  private:
+  // An upstream item, or the error upstream threw in its place.
+  struct Entry {
+    std::optional<T> item;
+    std::exception_ptr error;
+  };
   NodePtr<T> upstream_;
-  std::deque<T> items_;  // items base_ .. base_ + size - 1
+  std::deque<Entry> items_;  // items base_ .. base_ + size - 1
   uint64_t base_ = 0;
   std::vector<uint64_t> taken_;   // by consumer: items taken this pass
   std::vector<uint64_t> passes_;  // by consumer: passes started

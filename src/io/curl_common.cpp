@@ -3,10 +3,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <string>
+#include <system_error>
 
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "conveyor/errors.h"
 
@@ -63,6 +66,12 @@ void validate(const nodes::HttpOptions& options, const std::string& who) {
   check_ms("backoff", options.backoff, true);
   check_ms("max_backoff", options.max_backoff, true);
   if (options.max_bytes == 0) fail("max_bytes should be at least 1");
+  if (!options.ca_file.empty()) {
+    std::error_code error;
+    if (!std::filesystem::is_regular_file(options.ca_file, error) || ::access(options.ca_file.c_str(), R_OK) != 0) {
+      fail("ca_file '" + options.ca_file + "' is not a readable file");
+    }
+  }
   if (options.receive_buffer > kMaxReceiveBuffer) {
     fail("receive_buffer should be in [0, " + std::to_string(kMaxReceiveBuffer) + "] bytes, but got " +
          std::to_string(options.receive_buffer));
@@ -99,7 +108,8 @@ bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const c
             curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, static_cast<long>(options.total_timeout.count())) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
-            curl_easy_setopt(easy, CURLOPT_USERAGENT, user_agent) == CURLE_OK;
+            curl_easy_setopt(easy, CURLOPT_USERAGENT, user_agent) == CURLE_OK &&
+            (options.ca_file.empty() || curl_easy_setopt(easy, CURLOPT_CAINFO, options.ca_file.c_str()) == CURLE_OK);
 #if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
   ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS_STR, "http,https") == CURLE_OK &&
        curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS_STR, "http,https") == CURLE_OK;

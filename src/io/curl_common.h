@@ -30,7 +30,7 @@ inline constexpr uint64_t kMaxReceiveBuffer = uint64_t{1} << 30;
 void validate(const nodes::HttpOptions& options, const std::string& who);
 
 // Timeouts, http(s) only (redirects too), redirects followed, no signals,
-// the user agent, the receive buffer of new connections. False when libcurl refused one (out of memory).
+// the user agent, the receive buffer of new connections, the CA file. False when libcurl refused one (out of memory).
 bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept;
 
 }  // namespace conveyor::io::detail

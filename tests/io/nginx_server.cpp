@@ -115,6 +115,7 @@ void NginxServer::start_on(uint16_t fixed_port) {
   std::string last_error;
   for (int attempt = 0; attempt < 5; ++attempt) {  // another process may take the free port first
     port_ = fixed_port != 0 ? fixed_port : free_port();
+    if (tls_port_ != 0 && fixed_port == 0 && attempt > 0) tls_port_ = free_port();  // it may be the one taken
     std::ofstream conf(dir_ + "/nginx.conf");
     conf << "daemon off;\nmaster_process on;\nworker_processes 1;\n"
          << "pid " << dir_ << "/nginx.pid;\n"
@@ -140,7 +141,13 @@ void NginxServer::start_on(uint16_t fixed_port) {
          << "  default_type application/octet-stream;\n"
          << "  keepalive_requests 100000;\n"
          << "  server {\n"
-         << "    listen 127.0.0.1:" << port_ << ";\n"
+         << "    listen 127.0.0.1:" << port_ << ";\n";
+    if (tls_port_ != 0) {
+      conf << "    listen 127.0.0.1:" << tls_port_ << " ssl;\n"
+           << "    ssl_certificate " << dir_ << "/tls/cert.pem;\n"
+           << "    ssl_certificate_key " << dir_ << "/tls/key.pem;\n";
+    }
+    conf
          << "    root " << www_ << ";\n"
          << "    location /error500/ { return 500; }\n"
          << "    location /reset/ { return 444; }\n"
@@ -193,6 +200,23 @@ void NginxServer::stop() {
 
 std::string NginxServer::url(const std::string& path) const {
   return "http://127.0.0.1:" + std::to_string(port_) + path;
+}
+
+std::string NginxServer::enable_tls() {
+  const std::string tls = dir_ + "/tls";
+  fs::create_directories(tls);
+  const std::string command = "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=127.0.0.1 "
+                              "-addext subjectAltName=IP:127.0.0.1 -keyout " + tls + "/key.pem -out " + tls +
+                              "/cert.pem > " + tls + "/openssl.log 2>&1";
+  if (std::system(command.c_str()) != 0) {
+    throw std::runtime_error("openssl could not make a certificate: " + read_text(tls + "/openssl.log"));
+  }
+  tls_port_ = free_port();
+  return tls + "/cert.pem";
+}
+
+std::string NginxServer::https_url(const std::string& path) const {
+  return "https://127.0.0.1:" + std::to_string(tls_port_) + path;
 }
 
 void NginxServer::sync_log() const {

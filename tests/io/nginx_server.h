@@ -7,6 +7,7 @@
 //   /slow/...      DIR/www/slow/..., limit_rate 1k
 //   /chunked/...   DIR/www/chunked/..., through sub_filter: no Content-Length
 //   /norange/...   DIR/www/norange/..., max_ranges 0: a Range is answered 200
+// and, after enable_tls(), all of it over https on a second port.
 #pragma once
 
 #include <sys/types.h>
@@ -57,6 +58,13 @@ class NginxServer {
 
   uint16_t port() const noexcept { return port_; }
   std::string url(const std::string& path) const;  // path starts with '/'
+
+  // Before start(): also serve the same locations over TLS, on a second
+  // port, with a self-signed certificate for 127.0.0.1 made by the openssl
+  // command. Returns the certificate's PEM path (a client's CA file).
+  // Throws std::runtime_error when openssl fails.
+  std::string enable_tls();
+  std::string https_url(const std::string& path) const;  // after enable_tls()
   // How many requests for `path` the access log holds, counting every
   // request answered so far: nginx's only worker writes a request's log
   // line after sending its response, so a client can be done before the
@@ -78,6 +86,7 @@ class NginxServer {
 
   std::string dir_, www_;
   uint16_t port_ = 0;
+  uint16_t tls_port_ = 0;  // 0: no TLS
   pid_t pid_ = -1;
 };
 

@@ -96,6 +96,11 @@ struct HttpOptions {
   // used only as data waits in it. [0, 1 GiB].
   uint64_t receive_buffer = 0;
   OnError on_error = OnError::raise;
+  // https:// trusts the system's certificate authorities; a PEM file here
+  // replaces them (a private CA, a self-signed test server). A certificate
+  // that does not verify is a DataError naming the URL, not retried. Must
+  // be readable when the node or opener is made (ValueError).
+  std::string ca_file = {};
 };
 
 // Pipeline<std::string> (URLs: http:// or https://) or Pipeline<HttpRange>

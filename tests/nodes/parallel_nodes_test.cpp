@@ -282,4 +282,103 @@ TEST(PipelineProperty, PolledRunsThroughNodesThatAreNotYetReadyYieldTheWaitingRu
               static_cast<unsigned long long>(pending));
 }
 
+// A random graph of nodes that treat items one by one (maps serial,
+// parallel, out of order, async; filter; flat_map; prefetch) over ranges
+// merged by mux or join: each item's outcome depends on the item alone, so
+// shards taken apart yield, together, what the whole graph yields.
+Pipeline<int64_t> random_shardable_pipeline(std::mt19937_64& rng, int64_t base, int depth = 0) {
+  const int64_t n = std::uniform_int_distribution<int64_t>(0, 300)(rng);
+  Pipeline<int64_t> p = nodes::from_range(base, base + n);
+  const int stages = std::uniform_int_distribution<int>(1, 4)(rng);
+  for (int s = 0; s < stages; ++s) {
+    int kind = std::uniform_int_distribution<int>(0, 8)(rng);
+    if ((kind == 6 || kind == 7) && depth >= 2) kind = 8;
+    const int64_t k = std::uniform_int_distribution<int64_t>(2, 9)(rng);
+    const int workers = std::uniform_int_distribution<int>(1, 4)(rng);
+    auto work = [k](int64_t x) {
+      conveyor::testing::spin_delay(x % 7 == 0 ? static_cast<uint64_t>(x % 5) * 4000 : 0);
+      if (x % 37 == k) throw std::runtime_error("fails on " + std::to_string(x));
+      return x * k % 1000003;
+    };
+    const auto skip = conveyor::OnError::skip;
+    switch (kind) {
+      case 0:
+        p = std::move(p) | nodes::map(work, {.workers = workers, .on_error = skip});
+        break;
+      case 1:
+        p = std::move(p) | nodes::filter([k](int64_t x) { return x % k != 0; });
+        break;
+      case 2:
+        p = std::move(p) | nodes::flat_map([k](int64_t x) { return std::vector<int64_t>(static_cast<size_t>(x % 3), x + k); });
+        break;
+      case 3:
+        p = std::move(p) | nodes::prefetch(static_cast<int>(k));
+        break;
+      case 4:
+        p = std::move(p) | nodes::map(work, {.workers = workers, .in_order = false, .on_error = skip});
+        break;
+      case 5:
+        p = std::move(p) | nodes::async_map<int64_t>(
+                               [work](int64_t x, nodes::Completion<int64_t> done) {
+                                 auto held = std::make_shared<nodes::Completion<int64_t>>(std::move(done));
+                                 conveyor::testing::LateCompleter::instance().later([work, x, held] {
+                                   try {
+                                     (*held)(work(x));
+                                   } catch (...) {
+                                     const std::exception_ptr error = std::current_exception();
+                                     held->fail(error);
+                                   }
+                                 });
+                               },
+                               {.max_in_flight = static_cast<int>(k * 3), .in_order = k % 2 == 0, .on_error = skip});
+        break;
+      case 6:
+      case 7: {
+        std::vector<Pipeline<int64_t>> sources;
+        sources.push_back(std::move(p));
+        sources.push_back(random_shardable_pipeline(rng, base + 100000 * (s + 1), depth + 1));
+        p = kind == 6 ? nodes::mux(std::move(sources)) : nodes::join(std::move(sources));
+        break;
+      }
+      default:
+        p = std::move(p) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
+        break;
+    }
+  }
+  return p;
+}
+
+// Framework-level sharding: for any number of ranks and workers, each
+// (rank, worker)'s run of a random graph takes its own share, and the shares
+// together are the whole run's items, each once. Seeds printed and replayable.
+TEST(PipelineProperty, ShardsOfARandomGraphTogetherYieldTheWholeRunOnce) {
+  std::mt19937_64 rng = property_rng("sharded nodes property");
+  const int graphs = property_graphs(40, 12);
+  for (int g = 0; g < graphs; ++g) {
+    const uint64_t graph_seed = rng();
+    const auto make = [graph_seed] {
+      std::mt19937_64 graph_rng(graph_seed);
+      return random_shardable_pipeline(graph_rng, 0);
+    };
+    auto whole_pipeline = make();
+    std::vector<std::string> whole = outcomes(whole_pipeline);
+    std::sort(whole.begin(), whole.end());
+    for (int64_t world = 1; world <= 3; ++world) {
+      for (int64_t workers = 1; workers <= 2; ++workers) {
+        std::vector<std::string> together;
+        for (int64_t rank = 0; rank < world; ++rank) {
+          for (int64_t worker = 0; worker < workers; ++worker) {
+            auto pipeline = make();
+            pipeline.shard(conveyor::ShardSpec{rank, world, worker, workers});
+            for (std::string& outcome : outcomes(pipeline)) together.push_back(std::move(outcome));
+          }
+        }
+        std::sort(together.begin(), together.end());
+        ASSERT_EQ(together, whole) << "graph " << g << " (seed " << graph_seed << "), " << world << " ranks of "
+                                   << workers << " workers";
+      }
+    }
+  }
+}
+
 }  // namespace

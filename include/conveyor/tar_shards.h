@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "conveyor/byte_stream.h"
@@ -39,7 +40,7 @@ inline constexpr uint64_t kDefaultMaxSampleBytes = uint64_t{1} << 30;
 struct TarShardOptions {
   // Paths, or URLs read through `open`. Brace ranges expand, in place
   // ("train-{000000..000011}.tar" stands for its 12 shards; see
-  // expand_shard_pattern()), so options().shards lists the expanded paths. A
+  // expand_shard_patterns()), so options().shards lists the expanded paths. A
   // path must name a regular file: a device, a FIFO or a directory is a
   // DataError when its turn comes.
   std::vector<std::string> shards;
@@ -109,9 +110,12 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 // multiply out left to right. Throws ValueError for a malformed range
 // (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
-// Each pattern expanded in turn, their paths in order (an entry without
-// braces is kept as it is). The same errors, and the same ten-million cap on
-// all the paths together.
+// Whether `path` holds a brace range's opening "{N.." (a pattern, even a
+// malformed one); braces without one ("odd-{x}.tar") are part of a name.
+bool is_shard_pattern(std::string_view path);
+// Each pattern expanded in turn, their paths in order; an entry that is no
+// pattern (is_shard_pattern) is kept as it is. The same errors, and the same
+// ten-million cap on all the paths together, checked before any is made.
 std::vector<std::string> expand_shard_patterns(const std::vector<std::string>& patterns);
 
 // Where a classification sample keeps its parts (WebDataset's convention).

@@ -215,9 +215,21 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 
 namespace {
 
-// "000000..000011" -> the numbers, zero-padded to the wider bound when
-// either bound has a leading zero (as Python's braceexpand does).
-std::vector<std::string> expand_range(const std::string& pattern, const std::string& range) {
+// One {first..last} of a pattern: its numbers' bounds and width.
+struct BraceRange {
+  uint64_t low = 0, high = 0;
+  size_t width = 0;  // zero padding (0: none)
+  uint64_t count() const { return high - low + 1; }
+  std::string number(uint64_t value) const {
+    std::string text = std::to_string(value);
+    if (text.size() < width) text.insert(0, width - text.size(), '0');
+    return text;
+  }
+};
+
+// "000000..000011" -> its bounds, zero-padded to the wider bound when either
+// bound has a leading zero (as Python's braceexpand does).
+BraceRange parse_range(const std::string& pattern, const std::string& range) {
   const auto malformed = [&](const std::string& why) {
     return ValueError("expand_shard_pattern('" + pattern + "'): malformed range '{" + range +
                       "}': " + why);
@@ -233,32 +245,39 @@ std::vector<std::string> expand_range(const std::string& pattern, const std::str
       throw malformed("bounds must be decimal numbers");
     }
   }
-  const uint64_t low = std::stoull(first);
-  const uint64_t high = std::stoull(last);
-  if (low > high) throw malformed("the last number is smaller than the first");
-  if (high - low >= kMaxExpandedPaths) throw malformed("too many paths");
+  BraceRange parsed;
+  parsed.low = std::stoull(first);
+  parsed.high = std::stoull(last);
+  if (parsed.low > parsed.high) throw malformed("the last number is smaller than the first");
+  if (parsed.high - parsed.low >= kMaxExpandedPaths) throw malformed("too many paths");
   const bool padded = (first.size() > 1 && first[0] == '0') || (last.size() > 1 && last[0] == '0');
-  const size_t width = padded ? std::max(first.size(), last.size()) : 0;
-  std::vector<std::string> numbers;
-  numbers.reserve(high - low + 1);
-  for (uint64_t value = low; value <= high; ++value) {
-    std::string text = std::to_string(value);
-    if (text.size() < width) text.insert(0, width - text.size(), '0');
-    numbers.push_back(std::move(text));
-  }
-  return numbers;
+  parsed.width = padded ? std::max(first.size(), last.size()) : 0;
+  return parsed;
 }
 
-}  // namespace
+// A pattern as its literal parts and ranges: literals[0] range[0]
+// literals[1] range[1] ... literals[n]. Throws as expand_shard_pattern().
+struct ParsedPattern {
+  std::vector<std::string> literals;
+  std::vector<BraceRange> ranges;
+  // How many paths it stands for, or more than kMaxExpandedPaths.
+  uint64_t count() const {
+    uint64_t paths = 1;
+    for (const BraceRange& range : ranges) {
+      paths *= range.count();  // both factors <= kMaxExpandedPaths: no overflow
+      if (paths > kMaxExpandedPaths) return kMaxExpandedPaths + 1;
+    }
+    return paths;
+  }
+};
 
-std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
-  std::vector<std::string> paths{std::string()};
+ParsedPattern parse_pattern(const std::string& pattern) {
+  ParsedPattern parsed;
   size_t position = 0;
-  while (position < pattern.size()) {
+  while (true) {
     const size_t open = pattern.find_first_of("{}", position);
-    const std::string literal = pattern.substr(position, open - position);
-    for (std::string& path : paths) path += literal;
-    if (open == std::string::npos) break;
+    parsed.literals.push_back(pattern.substr(position, open - position));
+    if (open == std::string::npos) return parsed;
     if (pattern[open] == '}') {
       throw ValueError("expand_shard_pattern('" + pattern + "'): '}' without '{'");
     }
@@ -266,36 +285,66 @@ std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
     if (close == std::string::npos || pattern[close] == '{') {
       throw ValueError("expand_shard_pattern('" + pattern + "'): '{' without its '}'");
     }
-    const std::vector<std::string> numbers =
-        expand_range(pattern, pattern.substr(open + 1, close - open - 1));
-    if (paths.size() * numbers.size() > kMaxExpandedPaths) {
-      throw ValueError("expand_shard_pattern('" + pattern + "'): more than " +
-                       std::to_string(kMaxExpandedPaths) + " paths");
-    }
+    parsed.ranges.push_back(parse_range(pattern, pattern.substr(open + 1, close - open - 1)));
+    position = close + 1;
+  }
+}
+
+}  // namespace
+
+bool is_shard_pattern(std::string_view path) {
+  const auto digits = [&](size_t from) {
+    size_t end = from;
+    while (end < path.size() && path[end] >= '0' && path[end] <= '9') ++end;
+    return end;
+  };
+  for (size_t open = path.find('{'); open != std::string_view::npos; open = path.find('{', open + 1)) {
+    const size_t first_end = digits(open + 1);
+    if (first_end > open + 1 && path.compare(first_end, 2, "..") == 0) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
+  const ParsedPattern parsed = parse_pattern(pattern);
+  if (parsed.count() > kMaxExpandedPaths) {
+    throw ValueError("expand_shard_pattern('" + pattern + "'): more than " + std::to_string(kMaxExpandedPaths) +
+                     " paths");
+  }
+  std::vector<std::string> paths{parsed.literals[0]};
+  for (size_t r = 0; r < parsed.ranges.size(); ++r) {
+    const BraceRange& range = parsed.ranges[r];
     std::vector<std::string> expanded;
-    expanded.reserve(paths.size() * numbers.size());
+    expanded.reserve(paths.size() * range.count());
     for (const std::string& path : paths) {
-      for (const std::string& number : numbers) expanded.push_back(path + number);
+      for (uint64_t value = range.low; value <= range.high; ++value) {
+        expanded.push_back(path + range.number(value) + parsed.literals[r + 1]);
+      }
     }
     paths = std::move(expanded);
-    position = close + 1;
   }
   return paths;
 }
 
 std::vector<std::string> expand_shard_patterns(const std::vector<std::string>& patterns) {
-  std::vector<std::string> paths;
+  // Counted first: the cap holds before a path is made.
+  uint64_t total = 0;
   for (const std::string& pattern : patterns) {
-    if (pattern.find_first_of("{}") == std::string::npos) {
-      paths.push_back(pattern);
-    } else {
-      std::vector<std::string> expanded = expand_shard_pattern(pattern);
-      paths.insert(paths.end(), std::make_move_iterator(expanded.begin()), std::make_move_iterator(expanded.end()));
-    }
-    if (paths.size() > kMaxExpandedPaths) {
+    total += is_shard_pattern(pattern) ? parse_pattern(pattern).count() : 1;
+    if (total > kMaxExpandedPaths) {
       throw ValueError("expand_shard_patterns: more than " + std::to_string(kMaxExpandedPaths) +
                        " paths, the last pattern being '" + pattern + "'");
     }
+  }
+  std::vector<std::string> paths;
+  paths.reserve(static_cast<size_t>(total));
+  for (const std::string& pattern : patterns) {
+    if (!is_shard_pattern(pattern)) {
+      paths.push_back(pattern);
+      continue;
+    }
+    std::vector<std::string> expanded = expand_shard_pattern(pattern);
+    paths.insert(paths.end(), std::make_move_iterator(expanded.begin()), std::make_move_iterator(expanded.end()));
   }
   return paths;
 }

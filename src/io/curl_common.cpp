@@ -109,7 +109,10 @@ bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const c
             curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_USERAGENT, user_agent) == CURLE_OK &&
-            (options.ca_file.empty() || curl_easy_setopt(easy, CURLOPT_CAINFO, options.ca_file.c_str()) == CURLE_OK);
+            (options.ca_file.empty() ||
+             // In place of the system's authorities: the bundle and the directory libcurl was built with.
+             (curl_easy_setopt(easy, CURLOPT_CAINFO, options.ca_file.c_str()) == CURLE_OK &&
+              curl_easy_setopt(easy, CURLOPT_CAPATH, nullptr) == CURLE_OK));
 #if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
   ok = ok && curl_easy_setopt(easy, CURLOPT_PROTOCOLS_STR, "http,https") == CURLE_OK &&
        curl_easy_setopt(easy, CURLOPT_REDIR_PROTOCOLS_STR, "http,https") == CURLE_OK;

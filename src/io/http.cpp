@@ -53,7 +53,10 @@ struct Transfer {
   // (`enough`: the transfer was stopped on purpose).
   uint64_t skip_left = 0;
   bool enough = false;
-  int64_t range_start = -1;  // a 206's Content-Range start where it is not `offset` (read_header)
+  // A ranged item's 206: its Content-Range, and whether it answers the
+  // range asked for (read_header).
+  std::string content_range;
+  bool range_answered = false;
   int attempts = 0;
   SteadyClock::time_point retry_at;
   std::vector<uint8_t> body;
@@ -72,14 +75,16 @@ size_t keep_slice(Transfer& transfer, const char* data, size_t bytes) {
   const size_t skipped = static_cast<size_t>(std::min<uint64_t>(bytes, transfer.skip_left));
   transfer.skip_left -= skipped;
   size_t keep = bytes - skipped;
+  bool enough = false;
   if (transfer.length && keep >= *transfer.length - transfer.body.size()) {
     keep = static_cast<size_t>(*transfer.length - transfer.body.size());
-    transfer.enough = true;
+    enough = true;
   }
-  if (keep > transfer.max_bytes - transfer.body.size()) {
+  if (keep > transfer.max_bytes - transfer.body.size()) {  // before `enough`: finish() reports it
     transfer.too_big = true;
     return 0;
   }
+  transfer.enough = enough;
   transfer.body.insert(transfer.body.end(), data + skipped, data + skipped + keep);
   return transfer.enough ? 0 : bytes;
 }
@@ -132,11 +137,28 @@ std::optional<uint64_t> leading_number(std::string_view text) {
   return value;
 }
 
+// "bytes FIRST-LAST/TOTAL" (TOTAL may be '*'): FIRST is the item's offset and
+// LAST reaches the range's end, or the object's.
+bool answers_range(const Transfer& transfer, std::string_view range) {
+  if (!range.starts_with("bytes ")) return false;
+  range.remove_prefix(6);
+  const size_t dash = range.find('-'), slash = range.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) return false;
+  const std::optional<uint64_t> first = leading_number(range.substr(0, dash));
+  const std::optional<uint64_t> last = leading_number(range.substr(dash + 1, slash - dash - 1));
+  if (!first || !last || *first != transfer.offset || *last < *first) return false;
+  const std::optional<uint64_t> total = leading_number(range.substr(slash + 1));
+  uint64_t wanted_end = transfer.length ? transfer.offset + *transfer.length : std::numeric_limits<uint64_t>::max();
+  if (total) wanted_end = std::min(wanted_end, *total);
+  return *last + 1 >= wanted_end || (!total && !transfer.length);
+}
+
 // CURLOPT_HEADERFUNCTION. A 2xx response whose Content-Length exceeds
 // max_bytes stops here, before its body (libcurl's CURLOPT_MAXFILESIZE
 // would too, without saying the length).
-// A ranged item's 206 must start where it was asked to ("Content-Range:
-// bytes 100-199/1000"); one that does not stops here.
+// A ranged item's 206 must answer the range asked for ("Content-Range:
+// bytes 100-199/1000"): from its offset, to its end or the object's; one
+// that does not stops here (finish() names what it answered).
 size_t read_header(char* data, size_t size, size_t count, void* user) {
   Transfer& transfer = *static_cast<Transfer*>(user);
   const size_t bytes = size * count;
@@ -145,12 +167,11 @@ size_t read_header(char* data, size_t size, size_t count, void* user) {
   if (status < 200 || status >= 300) return bytes;
   if (transfer.ranged && status == 206) {
     if (const std::optional<std::string_view> range = header_value(data, bytes, "content-range:")) {
-      const std::optional<uint64_t> start =
-          range->starts_with("bytes ") ? leading_number(range->substr(6)) : std::nullopt;
-      if (start != transfer.offset) {
-        transfer.range_start = start ? static_cast<int64_t>(std::min<uint64_t>(*start, INT64_MAX)) : INT64_MAX;
-        return 0;  // CURLE_WRITE_ERROR
-      }
+      std::string_view text = *range;
+      while (!text.empty() && (text.back() == '\r' || text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+      transfer.content_range.assign(text);
+      if (!answers_range(transfer, text)) return 0;  // CURLE_WRITE_ERROR
+      transfer.range_answered = true;
     }
   }
   // A whole object (200) for a ranged item is cut by keep_slice: its length is not the item's.
@@ -345,7 +366,8 @@ class HttpGet final : public Stage<Input, HttpObject> {
     transfer.declared = -1;
     transfer.skip_left = transfer.ranged ? transfer.offset : 0;
     transfer.enough = false;
-    transfer.range_start = -1;
+    transfer.content_range.clear();
+    transfer.range_answered = false;
     transfer.error_text[0] = '\0';
     ++transfer.attempts;
     const CURLMcode code = curl_multi_add_handle(multi(), transfer.easy);
@@ -423,26 +445,28 @@ class HttpGet final : public Stage<Input, HttpObject> {
     curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
     std::string why;
     bool retry = false;
-    const bool whole = result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.enough);
+    const bool whole = result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.enough && !transfer.too_big);
     const bool over_length = transfer.length && transfer.body.size() > *transfer.length;
     // A whole object cut to the range must reach into it (as a 206 does: a
     // range starting at or past the end is a 416).
     const bool before_range = transfer.ranged && status != 206 && transfer.body.empty();
-    if (whole && status >= 200 && status < 300 && !over_length && !before_range) {
+    const bool unanswered = transfer.ranged && status == 206 && !transfer.range_answered;
+    if (whole && status >= 200 && status < 300 && !over_length && !before_range && !unanswered) {
       transfer.state = Transfer::State::done;
       return;
     }
-    if (whole && over_length) {
+    if (whole && unanswered) {
+      why = "the server's 206 for the range " + range_text(transfer) + " has no Content-Range";
+    } else if (whole && over_length) {
       why = "the server sent " + std::to_string(transfer.body.size()) + " bytes for the range " + range_text(transfer);
     } else if (whole && status >= 200 && status < 300) {
       // A server without Range support sent the whole object, which ends
       // before the range's first byte.
       why = "the object ends at byte " + std::to_string(transfer.offset - transfer.skip_left) + ", before the range " +
             range_text(transfer);
-    } else if (transfer.range_start >= 0) {
-      why = "the server answered the range " + range_text(transfer) + " from byte " +
-            (transfer.range_start == INT64_MAX ? std::string("(unreadable Content-Range)")
-                                               : std::to_string(transfer.range_start));
+    } else if (transfer.ranged && status == 206 && !transfer.content_range.empty() && !transfer.range_answered) {
+      why = "the server answered the range " + range_text(transfer) + " with Content-Range '" +
+            transfer.content_range + "'";
     } else if (result == CURLE_OK) {
       why = "HTTP " + std::to_string(status);
       retry = status >= 500;
@@ -523,10 +547,12 @@ class HttpGet final : public Stage<Input, HttpObject> {
 }  // namespace
 
 Pipeline<HttpObject> HttpGetAdaptor::operator()(Pipeline<std::string>&& upstream) const {
+  io::detail::validate(options, "http_get");  // options is public: checked again where it is used
   return Pipeline<HttpObject>(std::make_unique<HttpGet<std::string>>(std::move(upstream).release(), options));
 }
 
 Pipeline<HttpObject> HttpGetAdaptor::operator()(Pipeline<HttpRange>&& upstream) const {
+  io::detail::validate(options, "http_get");
   return Pipeline<HttpObject>(std::make_unique<HttpGet<HttpRange>>(std::move(upstream).release(), options));
 }
 

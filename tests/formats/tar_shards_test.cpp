@@ -395,8 +395,14 @@ TEST(TarExpandShardPattern, ManyPatternsExpandInTurnUnderOneCap) {
   EXPECT_EQ(expand_shard_patterns({"a-{0..1}.tar", "plain.tar", "b-{08..09}.tar"}),
             (std::vector<std::string>{"a-0.tar", "a-1.tar", "plain.tar", "b-08.tar", "b-09.tar"}));
   EXPECT_TRUE(expand_shard_patterns({}).empty());
-  EXPECT_THROW(expand_shard_patterns({"plain.tar", "c{x}.tar"}), conveyor::ValueError);
-  // Each pattern is under the cap, all of them together are not.
+  // Braces that open no range are a name; a range's opening makes a pattern, malformed or not.
+  EXPECT_EQ(expand_shard_patterns({"c{x}.tar", "d{}.tar"}), (std::vector<std::string>{"c{x}.tar", "d{}.tar"}));
+  EXPECT_THROW(expand_shard_patterns({"plain.tar", "c{1..}.tar"}), conveyor::ValueError);
+  EXPECT_THROW(expand_shard_patterns({"c{1..2.tar"}), conveyor::ValueError);
+  EXPECT_TRUE(conveyor::is_shard_pattern("a-{0..1}") && conveyor::is_shard_pattern("a-{12..") &&
+              !conveyor::is_shard_pattern("a-{x..1}") && !conveyor::is_shard_pattern("a-{}.tar"));
+  // Each pattern is under the cap, all of them together are not: refused
+  // before a path is made (this would be 12 million strings).
   const std::vector<std::string> patterns(3, "s-{0000000..3999999}");
   try {
     (void)expand_shard_patterns(patterns);

@@ -203,6 +203,7 @@ std::string NginxServer::url(const std::string& path) const {
 }
 
 std::string NginxServer::enable_tls() {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) return "";
   const std::string tls = dir_ + "/tls";
   fs::create_directories(tls);
   const std::string command = "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=127.0.0.1 "

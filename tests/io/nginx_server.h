@@ -16,16 +16,19 @@
 #include <string>
 #include <vector>
 
-// In a test or a fixture's SetUp: without nginx (`available` false), skip
-// the test saying so, or fail it where NginxServer::required().
-#define CONVEYOR_NGINX_SKIP_WITHOUT(available)                                                      \
-  if (!(available)) {                                                                              \
-    if (::conveyor::test::NginxServer::required()) {                                               \
-      FAIL() << "nginx is not installed and CONVEYOR_REQUIRE_NGINX is set (scripts/setup installs " \
-                "nginx-light)";                                                                    \
-    }                                                                                              \
-    GTEST_SKIP() << "nginx is not installed (Debian: nginx-light; scripts/setup installs it)";     \
-  }
+// In a test or a fixture's SetUp: without a tool the test needs
+// (`available` false), skip the test saying so, or fail it where
+// NginxServer::required() (scripts/setup installs nginx-light and openssl).
+#define CONVEYOR_SKIP_WITHOUT(available, tool)                                                          \
+  do {                                                                                                 \
+    if (!(available)) {                                                                                \
+      if (::conveyor::test::NginxServer::required()) {                                                 \
+        FAIL() << tool << " is not installed and CONVEYOR_REQUIRE_NGINX is set (scripts/setup installs it)"; \
+      }                                                                                                \
+      GTEST_SKIP() << tool << " is not installed (scripts/setup installs it)";                         \
+    }                                                                                                  \
+  } while (0)
+#define CONVEYOR_NGINX_SKIP_WITHOUT(available) CONVEYOR_SKIP_WITHOUT(available, "nginx (Debian: nginx-light)")
 
 namespace conveyor::test {
 
@@ -61,8 +64,9 @@ class NginxServer {
 
   // Before start(): also serve the same locations over TLS, on a second
   // port, with a self-signed certificate for 127.0.0.1 made by the openssl
-  // command. Returns the certificate's PEM path (a client's CA file).
-  // Throws std::runtime_error when openssl fails.
+  // command. Returns the certificate's PEM path (a client's CA file), or ""
+  // where no openssl command is installed. Throws std::runtime_error when
+  // openssl fails.
   std::string enable_tls();
   std::string https_url(const std::string& path) const;  // after enable_tls()
   // How many requests for `path` the access log holds, counting every

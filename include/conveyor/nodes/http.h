@@ -56,12 +56,13 @@ struct HttpObject {
 
 // Part of an object, for random access (a member inside a tar shard, a
 // record of an indexed file): `length` bytes from byte `offset`, or to the
-// object's end when `length` is none. Asked for with a Range header; a
-// server that ignores it and sends the whole object is cut to the range
-// (its bytes before `offset` read and dropped). A range that reaches past
-// the object's end gives the bytes up to it, as pread() does; one that
-// starts past it is a DataError (HTTP 416). A length of 0 gives no bytes
-// without a request.
+// object's end when `length` is none. Asked for with a Range header, the
+// 206's Content-Range checked to answer it; a server that ignores Range and
+// sends the whole object is cut to the range (its bytes before `offset` read
+// and dropped). A range that reaches past the object's end gives the bytes
+// up to it, as pread() does; one that starts at or past the end is a
+// DataError (HTTP 416). A length of 0 gives no bytes, without a request
+// (the URL is not checked).
 struct HttpRange {
   std::string url;
   uint64_t offset = 0;
@@ -97,7 +98,8 @@ struct HttpOptions {
   uint64_t receive_buffer = 0;
   OnError on_error = OnError::raise;
   // https:// trusts the system's certificate authorities; a PEM file here
-  // replaces them (a private CA, a self-signed test server). A certificate
+  // replaces them, bundle and directory (a private CA, a self-signed test
+  // server). A certificate
   // that does not verify is a DataError naming the URL, not retried. Must
   // be readable when the node or opener is made (ValueError).
   std::string ca_file = {};

@@ -97,6 +97,10 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
     last_member_.clear();
     const std::exception_ptr failed_ahead = std::exchange(ahead_failure_, nullptr);
     std::unique_ptr<ByteStream> opened_ahead = std::exchange(ahead_stream_, nullptr);
+    // A brace range among the paths was meant to stand for several shards,
+    // but expanded past shard() it would be read whole by every rank: it is
+    // refused at its place, naming where to expand it. Braces that are no
+    // range ("a{b}.tar") are a plain name.
     if (is_shard_pattern(current_.path)) {
       throw DataError("a brace pattern is not a shard: untar does not expand it; expand it where the shards "
                       "are listed, before shard() splits them (nodes::from_shard_patterns)", current_.path);
@@ -116,24 +120,6 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
     const std::string problem = source_->open_file(current_.path);
     if (!problem.empty()) throw DataError(problem, current_.path);
     start_reading();
-  }
-  // A brace range among the paths was meant to stand for several shards,
-  // but expanded past shard() it would be read whole by every rank: it is
-  // refused at its place, naming where to expand it. Braces that are no
-  // range ("a{b}.tar") are a plain name.
-  static bool is_shard_pattern(const std::string& path) {
-    const auto digits = [&](size_t from) {
-      size_t end = from;
-      while (end < path.size() && path[end] >= '0' && path[end] <= '9') ++end;
-      return end;
-    };
-    for (size_t open = path.find('{'); open != std::string::npos; open = path.find('{', open + 1)) {
-      const size_t first_end = digits(open + 1);
-      if (first_end == open + 1 || path.compare(first_end, 2, "..") != 0) continue;
-      const size_t last_end = digits(first_end + 2);
-      if (last_end > first_end + 2 && last_end < path.size() && path[last_end] == '}') return true;
-    }
-    return false;
   }
   // The plain reader takes the archive first (plain_tar.h); libarchive
   // takes it from the first header the plain reader leaves to it, or from

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/archive_events.h"
 #include "support/image_bombs.h"
 #include "support/memory_cap.h"
 #include "support/pipelines.h"
@@ -1354,19 +1355,11 @@ TEST(TarNodes, BracePatternsExpandWhereTheShardsAreListedAndUntarRefusesThem) {
   std::filesystem::copy_file(dir.file("part-000001.tar"), literal);
   auto paths = nodes::from_vector(std::vector<std::string>{dir.file("part-000000.tar"), pattern, literal});
   auto untarred = std::move(paths) | nodes::untar();
-  std::vector<std::string> events;
   auto pass = untarred.pass();
-  while (true) {
-    try {
-      auto member = pass.next();
-      if (!member) break;
-      if (events.empty() || events.back() != member->archive) events.push_back(member->archive);
-    } catch (const DataError& e) {
-      EXPECT_EQ(e.file(), pattern);
-      EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
-      events.push_back("error");
-    }
-  }
+  const std::vector<std::string> events = conveyor::testing::archive_events(pass, [&](const DataError& e) {
+    EXPECT_EQ(e.file(), pattern);
+    EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
+  });
   EXPECT_EQ(events, (std::vector<std::string>{dir.file("part-000000.tar"), "error", literal}));
   auto skipping = nodes::from_vector(std::vector<std::string>{pattern, literal}) | nodes::untar({.on_error = OnError::skip});
   size_t members = 0;

@@ -24,6 +24,7 @@
 #include "conveyor/nodes/sources.h"
 #include "conveyor/tar_shards.h"
 #include "nginx_server.h"
+#include "support/archive_events.h"
 
 namespace conveyor::nodes {
 namespace {
@@ -176,19 +177,11 @@ TEST_F(HttpShardTest, AUrlPatternGivenToUntarIsRefusedWithoutARequest) {
   const int before = requested();
   auto members = from_vector(std::vector<std::string>{urls()[0], url_pattern(), urls()[1]}) |
                  untar({.open = http_opener()});
-  std::vector<std::string> events;
   auto pass = members.pass();
-  while (true) {
-    try {
-      auto member = pass.next();
-      if (!member) break;
-      if (events.empty() || events.back() != member->archive) events.push_back(member->archive);
-    } catch (const DataError& e) {
-      EXPECT_EQ(e.file(), url_pattern());
-      EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
-      events.push_back("error");
-    }
-  }
+  const std::vector<std::string> events = conveyor::testing::archive_events(pass, [](const DataError& e) {
+    EXPECT_EQ(e.file(), url_pattern());
+    EXPECT_NE(std::string(e.what()).find("from_shard_patterns"), std::string::npos) << e.what();
+  });
   EXPECT_EQ(events, (std::vector<std::string>{urls()[0], "error", urls()[1]}));
   EXPECT_EQ(requested(), before);
 }

@@ -345,6 +345,30 @@ TEST_F(HttpGetTest, ARangeOverMaxBytesIsADataErrorWithOrWithoutRangeSupport) {
   }
 }
 
+// A 206 must answer the range asked for: one starting elsewhere, one with
+// fewer bytes than asked (of an object that has them) or one without a
+// Content-Range is a DataError naming the URL and the range, not bytes of
+// the wrong place.
+TEST_F(HttpGetTest, A206ThatDoesNotAnswerTheRangeIsADataError) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/range-from-7/x", "with Content-Range 'bytes 7-9/100'"},
+      {"/range-short/x", "with Content-Range 'bytes 0-2/100'"},
+      {"/range-none/x", "has no Content-Range"}};
+  for (const auto& [path, why] : cases) {
+    auto pipeline = from_vector(std::vector<HttpRange>{{server_->url(path), 0, 10}}) | http_get({.retries = 0});
+    auto pass = pipeline.pass();
+    const DataError error = next_error(pass);
+    EXPECT_EQ(error.file(), server_->url(path));
+    EXPECT_NE(std::string(error.what()).find(why), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("bytes 0-9"), std::string::npos) << error.what();
+  }
+  // A range to the object's end must reach it: bytes 0-2 of 100 do not.
+  auto tail = from_vector(std::vector<HttpRange>{{server_->url("/range-short/x"), 0, std::nullopt}}) |
+              http_get({.retries = 0});
+  auto tail_pass = tail.pass();
+  EXPECT_THROW(tail_pass.next(), DataError);
+}
+
 // A ranged GET is retried as the whole item was (5xx here), and its final
 // error names the range.
 TEST_F(HttpGetTest, ARangeIsRetriedThenReportedNamingIt) {

@@ -153,6 +153,10 @@ void NginxServer::start_on(uint16_t fixed_port) {
          << "    location /reset/ { return 444; }\n"
          << "    location /slow/ { limit_rate 1k; }\n"
          << "    location /norange/ { max_ranges 0; }\n"
+         // 206s that do not answer the range asked for: a wrong start, too few bytes, no Content-Range.
+         << "    location /range-from-7/ { add_header Content-Range \"bytes 7-9/100\"; return 206 \"abc\"; }\n"
+         << "    location /range-short/ { add_header Content-Range \"bytes 0-2/100\"; return 206 \"abc\"; }\n"
+         << "    location /range-none/ { return 206 \"abc\"; }\n"
          << "    location /chunked/ { sub_filter 'no-such-text' 'x'; sub_filter_once off; sub_filter_types *; }\n"
          << "  }\n"
          << "}\n";

@@ -7,6 +7,8 @@
 //   /slow/...      DIR/www/slow/..., limit_rate 1k
 //   /chunked/...   DIR/www/chunked/..., through sub_filter: no Content-Length
 //   /norange/...   DIR/www/norange/..., max_ranges 0: a Range is answered 200
+//   /range-from-7/, /range-short/, /range-none/   206 "abc" with Content-Range
+//                  bytes 7-9/100, bytes 0-2/100, or none
 // and, after enable_tls(), all of it over https on a second port.
 #pragma once
 

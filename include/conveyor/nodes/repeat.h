@@ -90,8 +90,13 @@ class Repeat final : public MeteredNode<T> {
     }
     end_change(version);
   }
-  // Round by round, as produce() goes.
+  // Round by round, as produce() goes. A round that gave only errors ends
+  // the pass as an empty one does (produce() saw no item in it), but a
+  // skip counts errors as outputs: where errors may be among them, the
+  // outputs are pulled as produce() pulls them (upstream's skip() may not
+  // follow a next() in a round, so the whole way).
   uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Node<T>::skip(count, clean);
     uint64_t skipped = 0;
     while (round_ < times_ && skipped < count) {
       const uint64_t n = upstream_->skip(count - skipped, clean);

@@ -50,20 +50,26 @@ struct DrawingDataset final : conveyor::Dataset<Sample> {
 // n - 3w) through a shuffle buffer of 3 (as TarShardDataset's, drawing from
 // its worker's generator: a replay must draw as the first pass did), each
 // sample with a draw; values in `bad` throw.
+// With `seeded_at_iter`, the buffer draws from a generator of its own,
+// seeded by one draw as the replica starts (as TarShardDataset's shuffle).
 struct DrawingStream final : conveyor::IterableDataset<Sample> {
-  DrawingStream(int64_t n, std::set<int64_t> bad) : n(n), bad(std::move(bad)) {}
+  DrawingStream(int64_t n, std::set<int64_t> bad, bool seeded_at_iter = false)
+      : n(n), bad(std::move(bad)), seeded_at_iter(seeded_at_iter) {}
   std::unique_ptr<conveyor::SampleIterator<Sample>> iter(const conveyor::WorkerInfo* worker) override {
     const int64_t start = worker ? worker->id : 0;
     const int64_t step = worker ? worker->num_workers : 1;
     const int64_t end = n - start * 3;
+    std::optional<conveyor::Generator> own;
+    if (seeded_at_iter) own.emplace(conveyor::default_generator().random64());
     return conveyor::make_sample_iterator<Sample>(
-        [next = start, step, end, buffer = std::vector<int64_t>{}, this]() mutable -> std::optional<Sample> {
+        [next = start, step, end, buffer = std::vector<int64_t>{}, own, this]() mutable -> std::optional<Sample> {
           while (buffer.size() < 3 && next < end) {
             buffer.push_back(next);
             next += step;
           }
           if (buffer.empty()) return std::nullopt;
-          const size_t pick = conveyor::default_generator().random() % buffer.size();
+          conveyor::Generator& picks = own ? *own : conveyor::default_generator();
+          const size_t pick = picks.random() % buffer.size();
           const int64_t value = buffer[pick];
           buffer.erase(buffer.begin() + static_cast<std::ptrdiff_t>(pick));
           const int64_t draw = conveyor::default_generator().random() % 1000;
@@ -74,6 +80,7 @@ struct DrawingStream final : conveyor::IterableDataset<Sample> {
   void set_epoch(uint64_t e) override { epoch = e; }
   int64_t n;
   std::set<int64_t> bad;
+  bool seeded_at_iter;
   uint64_t epoch = 0;
 };
 
@@ -329,7 +336,10 @@ TEST(LoaderResume, RandomConfigurationsResumeExactlyAnywhere) {
     SCOPED_TRACE("run seed " + std::to_string(run_seed) + ": " + config.text());
     if (config.iterable) {
       std::set<int64_t> bad(config.bad.begin(), config.bad.end());
-      check_resume(config, std::make_shared<DrawingStream>(static_cast<int64_t>(config.n), bad), run_rng);
+      const bool seeded_at_iter = run_rng() % 2 == 0;
+      SCOPED_TRACE(seeded_at_iter ? "buffer seeded as the replica starts" : "buffer drawing from the worker's");
+      check_resume(config, std::make_shared<DrawingStream>(static_cast<int64_t>(config.n), bad, seeded_at_iter),
+                   run_rng);
     } else {
       check_resume(config, std::make_shared<DrawingDataset>(config.n, config.bad), run_rng);
     }

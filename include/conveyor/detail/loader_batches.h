@@ -97,6 +97,14 @@ struct PendingSeek {
   std::optional<GeneratorPosition>* start = nullptr;
   void apply() {
     if (!to || !*to) return;
+    // Where the replica's start left it: nothing received since (or nothing
+    // drawn). What the replica drew as it started again (its iter() seeding
+    // a shuffle) is what the consumer's pass drew there: a seek back to the
+    // start would make it draw the same numbers twice.
+    if (started_at && same_position(**to, *started_at)) {
+      to->reset();
+      return;
+    }
     const uint64_t replayed = (*to)->draws;
     generator->seek(*std::exchange(*to, std::nullopt));
     // Past kRebaseAfterDraws the generator is rebased here (its state made
@@ -110,7 +118,15 @@ struct PendingSeek {
     if (replayed > kRebaseAfterDraws) generator->set_state(generator->get_state());
   }
   void apply_start() {
-    if (start && *start) generator->seek(*std::exchange(*start, std::nullopt));
+    if (!start || !*start) return;
+    started_at = **start;
+    generator->seek(*std::exchange(*start, std::nullopt));
+  }
+  std::optional<GeneratorPosition> started_at = std::nullopt;  // what apply_start() set
+
+  static bool same_position(const GeneratorPosition& a, const GeneratorPosition& b) {
+    if (a.seed != b.seed || a.draws != b.draws || !a.origin != !b.origin) return false;
+    return !a.origin || a.origin == b.origin || *a.origin == *b.origin;
   }
 };
 
@@ -357,6 +373,9 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
         worker.seek_to.reset();
       } else if (!per_batch_generators_) {
         generators[w] = worker.seek_to;
+        // An iterable's replica starts there: before its iter(), whose
+        // draws (a shuffle's seed) the pass keeps, not after it.
+        if constexpr (IterableStyleDataset<D>) worker.seek_start = std::exchange(worker.seek_to, std::nullopt);
       }
       if (!per_batch_generators_) starts[w] = generators[w];
       const std::vector<OptionalPosition>* saved = resume ? &resume->position.generators : nullptr;

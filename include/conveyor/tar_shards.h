@@ -48,8 +48,9 @@ struct TarShardOptions {
   // on every rank), before shards are split across ranks and workers.
   bool shuffle_shards = false;
   uint64_t seed = 0;
-  // Shuffle samples through a buffer of this many (0: no shuffle), drawing
-  // from default_generator(): the worker's, so reproducible.
+  // Shuffle samples through a buffer of this many (0: no shuffle): the
+  // replica's nodes end in nodes::shuffle(n), seeded by one draw from
+  // default_generator() as the replica starts (the worker's: reproducible).
   size_t shuffle_buffer = 0;
   // Distributed training: this process takes shards rank, rank + R, ...;
   // within it, worker w of W takes every W-th of those.

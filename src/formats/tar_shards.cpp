@@ -27,6 +27,7 @@
 #include "conveyor/generator.h"
 #include "conveyor/image.h"
 #include "conveyor/nodes/files.h"
+#include "conveyor/nodes/shuffle.h"
 #include "conveyor/nodes/sources.h"
 #include "tar_source.h"
 
@@ -58,25 +59,31 @@ struct ArchiveEntryFree {
   void operator()(struct archive_entry* entry) const noexcept { archive_entry_free(entry); }
 };
 
-// One replica's stream: its shards in order, one open at a time, optionally
-// through a WebDataset shuffle buffer.
+// One replica's samples: its shards in order, one open at a time, through
+// the reader's nodes and, with a buffer, shuffle(n), seeded by a draw from
+// default_generator() (on a loader worker, the worker's: the order follows
+// the loader's seed).
+Pipeline<ShardSample> replica_reader(std::vector<std::string> shards, const TarShardOptions& options) {
+  Pipeline<ShardSample> samples =
+      shard_reader(nodes::from_vector(std::move(shards)), options.required_fields, options.max_sample_bytes,
+                   options.open);
+  if (options.shuffle_buffer == 0) return samples;
+  Pipeline<ShardSample> shuffled = std::move(samples) | nodes::shuffle(options.shuffle_buffer);
+  shuffled.seed(default_generator().random64());
+  return shuffled;
+}
+
+// A replica's pass over its reader; what fails is raised or counted.
 class TarShardIterator final : public SampleIterator<ShardSample> {
  public:
   TarShardIterator(std::vector<std::string> shards, const TarShardOptions& options,
                    std::shared_ptr<std::atomic<uint64_t>> skipped)
-      : reader_(shard_reader(nodes::from_vector(std::move(shards)), options.required_fields,
-                             options.max_sample_bytes, options.open)),
+      : reader_(replica_reader(std::move(shards), options)),
         samples_(reader_.pass()),
         on_error_(options.on_error),
-        shuffle_buffer_(options.shuffle_buffer),
         skipped_(std::move(skipped)) {}
 
   std::optional<ShardSample> next() override {
-    return shuffle_buffer_ == 0 ? next_in_order() : next_shuffled();
-  }
-
- private:
-  std::optional<ShardSample> next_in_order() {
     while (true) {
       try {
         return samples_.next();
@@ -87,47 +94,11 @@ class TarShardIterator final : public SampleIterator<ShardSample> {
     }
   }
 
-  // WebDataset's shuffle: fill the buffer, then swap each new sample for a
-  // random buffered one; at the end drain the buffer in random order.
-  std::optional<ShardSample> next_shuffled() {
-    while (!source_done_ && buffer_.size() < shuffle_buffer_) {
-      std::optional<ShardSample> sample = next_in_order();
-      if (!sample) {
-        source_done_ = true;
-        break;
-      }
-      buffer_.push_back(std::move(*sample));
-    }
-    if (!source_done_) {
-      if (std::optional<ShardSample> sample = next_in_order()) {
-        ShardSample& slot = buffer_[draw_index(buffer_.size())];
-        std::swap(slot, *sample);
-        return sample;
-      }
-      source_done_ = true;
-    }
-    if (buffer_.empty()) return std::nullopt;
-    std::swap(buffer_[draw_index(buffer_.size())], buffer_.back());
-    ShardSample sample = std::move(buffer_.back());
-    buffer_.pop_back();
-    return sample;
-  }
-
-  // Drawn from default_generator() at each call: on a loader worker that is
-  // the worker's generator, so the order follows the loader's seed.
-  static size_t draw_index(size_t bound) {
-    int64_t index = 0;
-    randint(0, static_cast<int64_t>(bound), std::span<int64_t>(&index, 1), default_generator());
-    return static_cast<size_t>(index);
-  }
-
+ private:
   Pipeline<ShardSample> reader_;
   Pipeline<ShardSample>::Pass samples_;
   OnError on_error_;
-  size_t shuffle_buffer_;
   std::shared_ptr<std::atomic<uint64_t>> skipped_;
-  std::vector<ShardSample> buffer_;
-  bool source_done_ = false;
 };
 
 }  // namespace

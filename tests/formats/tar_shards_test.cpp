@@ -757,6 +757,31 @@ TEST(TarShardErrors, ShardCutInTheMiddleOfAMember) {
   EXPECT_EQ(skipping.skipped(), 1u);  // the rest of the shard counts once
 }
 
+// Shuffled through its buffer, a replica raises or counts the same error
+// and hands out the same samples, in another order: the buffer keeps what
+// it held across the error.
+TEST(TarShardErrors, AShuffledReplicaLosesOnlyWhatTheErrorCosts) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("u-"), 30, 10);
+  std::vector<uint8_t> bytes = read_bytes(paths[1]);
+  bytes.resize(header_offset(bytes, "000014.bin") + 512 + 30);
+  write_bytes(paths[1], bytes);
+  const std::vector<std::string> expected = concat(key_range(0, 14), key_range(20, 30));
+  for (const OnError policy : {OnError::raise, OnError::skip}) {
+    TarShardOptions options = with_policy(paths, policy);
+    options.shuffle_buffer = 6;
+    TarShardDataset dataset(options);
+    conveyor::manual_seed(4);
+    const Drained drained = drain_with_errors(dataset);
+    EXPECT_NE(drained.keys, expected);
+    std::vector<std::string> sorted = drained.keys;
+    std::sort(sorted.begin(), sorted.end());
+    EXPECT_EQ(sorted, expected);
+    EXPECT_EQ(drained.errors.size(), policy == OnError::raise ? 1u : 0u);
+    EXPECT_EQ(dataset.skipped(), policy == OnError::skip ? 1u : 0u);
+  }
+}
+
 TEST(TarShardErrors, ShardCutInTheMiddleOfAHeader) {
   TempDir dir;
   const std::vector<std::string> paths = write_samples(dir.file("h-"), 5, 5);

@@ -6,6 +6,7 @@
 #include <conveyor/nodes.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -583,6 +584,66 @@ TEST(Combine, ForkGivesEveryConsumerEveryErrorInItsPlace) {
     if (!b_first) {
       EXPECT_EQ(take_all(b), expected);
     }
+  }
+}
+
+// Each consumer behind its own prefetch: two threads take turns at the
+// fork. The zip of both is the serial run's, pass after pass, passes left
+// early included (a prefetch still finishing the last pass takes nothing
+// from the next). Under ThreadSanitizer in CI.
+TEST(Combine, ForkConsumersEachBehindAPrefetchShareUpstreamSafely) {
+  const auto make = [](bool prefetched) {
+    std::vector<Pipeline<int64_t>> outputs =
+        nodes::fork(nodes::from_range(0, 300) | nodes::map([](int64_t x) {
+                      // A little work: the prefetches are still pulling
+                      // when a pass left early is followed by the next.
+                      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+                      while (std::chrono::steady_clock::now() < until) {
+                      }
+                      if (x % 37 == 5) throw std::runtime_error("fails on " + std::to_string(x));
+                      return x;
+                    }) | nodes::shuffle(20),
+                    2, /*buffer=*/64);
+    outputs[1] = std::move(outputs[1]) | nodes::map([](int64_t x) { return -x; });
+    if (prefetched) {
+      outputs[0] = std::move(outputs[0]) | nodes::prefetch(4);
+      outputs[1] = std::move(outputs[1]) | nodes::prefetch(8);
+    }
+    auto zipped = nodes::zip(std::move(outputs[0]), std::move(outputs[1]));
+    zipped.seed(11);
+    return zipped;
+  };
+  const auto run = [](auto& pipeline, size_t limit) {
+    std::vector<std::string> got;
+    auto pass = pipeline.pass();
+    while (got.size() < limit) {
+      try {
+        std::optional<std::pair<int64_t, int64_t>> pair = pass.next();
+        if (!pair) break;
+        got.push_back(std::to_string(pair->first) + "," + std::to_string(pair->second));
+      } catch (const conveyor::NodeError& e) {
+        got.push_back("error in " + e.node() + " at " + std::to_string(e.position()));
+      }
+    }
+    return got;
+  };
+  // Every third pass is left after a few outputs, the prefetches ahead,
+  // and the next begins at once.
+  const auto limit_of = [](int pass) {
+    return pass % 3 == 2 ? static_cast<size_t>(pass) : std::numeric_limits<size_t>::max();
+  };
+  constexpr int kPasses = 40;
+  std::vector<std::vector<std::string>> want;
+  auto serial = make(false);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    want.push_back(run(serial, limit_of(pass)));
+    if (limit_of(pass) > 300) {
+      ASSERT_GE(want.back().size(), 300u);  // 292 pairs, and each consumer's 8 errors
+    }
+  }
+  auto threaded = make(true);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    EXPECT_EQ(run(threaded, limit_of(pass)), want[static_cast<size_t>(pass)]) << "pass " << pass;
   }
 }
 

@@ -266,6 +266,10 @@ inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, boo
       }
       case 16: {  // two consumers of one upstream, zipped back together
         std::vector<Pipeline<int64_t>> consumers = nodes::fork(std::move(p), 2, 4096);
+        if (parallel && k % 2 == 0) {  // each on a thread of its own
+          consumers[0] = std::move(consumers[0]) | nodes::prefetch(static_cast<int>(k));
+          consumers[1] = std::move(consumers[1]) | nodes::prefetch(static_cast<int>(k) + 1);
+        }
         Pipeline<int64_t> shifted =
             std::move(consumers[1]) | nodes::map([k](int64_t x) { return x + k; }, {.workers = workers});
         p = nodes::zip(std::move(consumers[0]), std::move(shifted)) |

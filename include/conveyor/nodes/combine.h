@@ -17,6 +17,7 @@
 #include <exception>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -454,10 +455,10 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // fork: the consumers share the upstream and a buffer of the items not every
 // consumer has taken yet (at most `buffer` items). A consumer that gets
 // further ahead of the slowest than that is an error: in one thread it
-// would otherwise wait for ever. The consumers are advanced by one thread at
-// a time (they share upstream without a lock): where they meet again (zip,
-// mux) or are taken in turn by one consumer, not each behind its own
-// prefetch.
+// would otherwise wait for ever. The consumers may be advanced from several
+// threads (each behind its own prefetch or parallel map): they take turns
+// at upstream and the buffer under one mutex, held while upstream makes an
+// item (a consumer that finds its item buffered waits for that pull).
 template <class T>
 class ForkState {
  public:
@@ -465,6 +466,7 @@ class ForkState {
       : upstream_(std::move(upstream)), taken_(consumers, 0), passes_(consumers, 0), buffer_limit_(buffer) {}
 
   void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk) {
+    const std::lock_guard lock(mutex_);
     const uint64_t first_id = walk.next_id;
     if (passes_[consumer] == pass_) {  // the first consumer into a new pass resets upstream
       ++pass_;
@@ -495,12 +497,13 @@ class ForkState {
   // consumers' saved places may be further apart than it allows until every
   // one has skipped.
   uint64_t skip(size_t consumer, uint64_t count) {
+    const std::lock_guard lock(mutex_);
     const size_t limit = std::exchange(buffer_limit_, std::numeric_limits<size_t>::max());
     uint64_t skipped = 0;
     try {
       while (skipped < count) {
         try {
-          if (!next(consumer)) break;
+          if (!take(consumer, false)) break;
         } catch (...) {
           // A failed item is taken in its place, as next() would hand it out.
         }
@@ -517,6 +520,15 @@ class ForkState {
   // `polling`: a consumer's try_next(): upstream's try_next() is asked, and
   // "not yet" leaves everything as it was (UpstreamPending).
   std::optional<T> next(size_t consumer, bool polling = false) {
+    const std::lock_guard lock(mutex_);
+    return take(consumer, polling);
+  }
+
+ private:
+  std::optional<T> take(size_t consumer, bool polling) {
+    // A consumer not yet reset into the pass another one started (its
+    // prefetch still running out the last pass) takes nothing from it.
+    if (passes_[consumer] != pass_) return std::nullopt;
     uint64_t& taken = taken_[consumer];
     if (taken == base_ + items_.size()) {
       if (ended_) return std::nullopt;
@@ -558,7 +570,6 @@ class ForkState {
     return out;
   }
 
- private:
   // An upstream item, or the error upstream threw in its place.
   struct Entry {
     std::optional<T> item;
@@ -574,6 +585,9 @@ class ForkState {
   bool sharded_ = false;
   bool ended_ = false;
   size_t buffer_limit_;
+  // Around upstream and everything above, for consumers on several threads
+  // (uncontended, one lock an item, where they share one thread).
+  std::mutex mutex_;
 };
 
 template <class T>

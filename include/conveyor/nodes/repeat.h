@@ -96,15 +96,18 @@ class Repeat final : public MeteredNode<T> {
   // outputs are pulled as produce() pulls them (upstream's skip() may not
   // follow a next() in a round, so the whole way).
   uint64_t skip(uint64_t count, bool clean) override {
-    if (!clean) return Node<T>::skip(count, clean);
     uint64_t skipped = 0;
-    while (round_ < times_ && skipped < count) {
-      const uint64_t n = upstream_->skip(count - skipped, clean);
-      skipped += n;
-      if (n > 0) empty_round_ = false;
-      if (skipped == count) break;
-      if (empty_round_) break;  // nothing in a whole round: the end
-      if (!next_round()) break;
+    if (!clean) {
+      skipped = Node<T>::skip(count, clean);
+    } else {
+      while (round_ < times_ && skipped < count) {
+        const uint64_t n = upstream_->skip(count - skipped, clean);
+        skipped += n;
+        if (n > 0) empty_round_ = false;
+        if (skipped == count) break;
+        if (empty_round_) break;  // nothing in a whole round: the end
+        if (!next_round()) break;
+      }
     }
     // Upstream saved its decisions in a round at least two after this one:
     // those of the rounds between are gone.

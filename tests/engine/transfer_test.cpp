@@ -269,9 +269,9 @@ TEST(Transfer, CustomBatchesOptInThroughTransferTraits) {
 
 namespace {
 
-// The epoch is a node graph: fetch+collate, then to_device. Each node counts
-// what it took and handed on, failed batches included, and both print as a
-// metrics table.
+// The epoch is a node graph: from_sampler, fetch+collate, then to_device.
+// Each node counts what it took and handed on, failed batches included, and
+// they print as a metrics table in the data's order.
 TEST(EpochGraph, NodeMetricsCountEachNodesBatchesFailuresIncluded) {
   ThrowingDataset dataset(kBatch * 6, {kBatch * 2 + 5});
   auto device = conveyor::make_host_standin_device();
@@ -284,34 +284,56 @@ TEST(EpochGraph, NodeMetricsCountEachNodesBatchesFailuresIncluded) {
     EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "error@2", "3", "4", "5"}));
 
     const std::vector<conveyor::NodeMetrics> nodes = epoch.node_metrics();
-    ASSERT_EQ(nodes.size(), 2u);
-    EXPECT_EQ(nodes[0].name, workers ? "fetch+collate(3 workers)" : "fetch+collate");
-    EXPECT_EQ(nodes[0].items_in, 6u);
-    EXPECT_EQ(nodes[0].items_out, 6u);
-    EXPECT_EQ(nodes[0].window, workers ? 6u : 0u);
-    EXPECT_GT(nodes[0].busy_seconds, 0);
-    EXPECT_EQ(nodes[1].name, "to_device(2)");
+    ASSERT_EQ(nodes.size(), 3u);
+    EXPECT_EQ(nodes[0].name, "from_sampler");
+    EXPECT_EQ(nodes[0].items_in, 0u);
+    EXPECT_EQ(nodes[0].items_out, 6u);  // the batch sampler's 6 batches of indices
+    EXPECT_EQ(nodes[1].name, workers ? "fetch+collate(3 workers)" : "fetch+collate");
     EXPECT_EQ(nodes[1].items_in, 6u);
     EXPECT_EQ(nodes[1].items_out, 6u);
-    EXPECT_EQ(nodes[1].window, 3u);
-    EXPECT_NE(nodes[0].id, nodes[1].id);
+    EXPECT_EQ(nodes[1].window, workers ? 6u : 0u);
+    EXPECT_GT(nodes[1].busy_seconds, 0);
+    EXPECT_EQ(nodes[2].name, "to_device(2)");
+    EXPECT_EQ(nodes[2].items_in, 6u);
+    EXPECT_EQ(nodes[2].items_out, 6u);
+    EXPECT_EQ(nodes[2].window, 3u);
+    EXPECT_LT(nodes[0].id, nodes[1].id);  // ids in the data's order
+    EXPECT_LT(nodes[1].id, nodes[2].id);
     const std::string table = conveyor::metrics_table(nodes);
+    EXPECT_NE(table.find("from_sampler"), std::string::npos) << table;
     EXPECT_NE(table.find("to_device(2)"), std::string::npos) << table;
   }
 }
 
-// Without a device the graph is one node, and a pass that stops early
-// reports what it handed out so far.
+// Without a device the graph ends at fetch+collate, and a pass that stops
+// early reports what it handed out so far: the sampler has drawn exactly
+// what fetch+collate took.
 TEST(EpochGraph, APartialEpochReportsWhatItHandedOut) {
   RangeDataset dataset(kBatch * 10);
   conveyor::DataLoader loader(dataset, {.batch_size = kBatch, .num_workers = 2});
   auto epoch = loader.iter();
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(epoch.next().has_value());
   const std::vector<conveyor::NodeMetrics> nodes = epoch.node_metrics();
+  ASSERT_EQ(nodes.size(), 2u);
+  EXPECT_EQ(nodes[0].name, "from_sampler");
+  EXPECT_EQ(nodes[1].items_out, 3u);
+  EXPECT_GE(nodes[1].items_in, 3u);  // and the window's worth submitted ahead
+  EXPECT_LE(nodes[1].items_in, 3u + nodes[1].window);
+  EXPECT_EQ(nodes[0].items_out, nodes[1].items_in);
+}
+
+// An iterable dataset has no sampler: its replicas are fetch+collate's own.
+TEST(EpochGraph, AnIterableDatasetsGraphStartsAtFetchAndCollate) {
+  conveyor::testing::StridedStream stream(kBatch * 4);
+  conveyor::DataLoader loader(stream, {.batch_size = kBatch, .num_workers = 2});
+  auto epoch = loader.iter();
+  size_t batches = 0;
+  while (epoch.next()) ++batches;
+  EXPECT_EQ(batches, 4u);
+  const std::vector<conveyor::NodeMetrics> nodes = epoch.node_metrics();
   ASSERT_EQ(nodes.size(), 1u);
-  EXPECT_EQ(nodes[0].items_out, 3u);
-  EXPECT_GE(nodes[0].items_in, 3u);  // and the window's worth submitted ahead
-  EXPECT_LE(nodes[0].items_in, 3u + nodes[0].window);
+  EXPECT_EQ(nodes[0].name, "fetch+collate(2 workers)");
+  EXPECT_EQ(nodes[0].items_out, 4u);
 }
 
 }  // namespace

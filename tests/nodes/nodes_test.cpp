@@ -148,6 +148,71 @@ TEST(Sources, AMapDatasetThroughItsSamplerAndItsSizeAtEachPass) {
   EXPECT_EQ(items, iota(3));
 }
 
+// from_sampler: a sampler's pass as items, the node a DataLoader starts
+// from. Each pass tells the sampler its epoch; shards take every count-th
+// index; a pass resumed in a new process (the process generator reseeded)
+// gives the rest of the saved permutation; with get() after it, it is
+// from_map_dataset.
+TEST(Sources, ASamplersIndicesAreANodeOfTheirOwn) {
+  using Indices = std::vector<size_t>;
+  auto sampler_pass = [](conveyor::Sampler<size_t>& sampler) {
+    Indices out;
+    auto it = sampler.iter();
+    for (size_t i = 0; it->next(i);) out.push_back(i);
+    return out;
+  };
+  auto random = std::make_shared<conveyor::RandomSampler>(size_t{20});
+  conveyor::manual_seed(3);
+  const Indices expected = sampler_pass(*random);
+  conveyor::manual_seed(3);
+  auto source = nodes::from_sampler<size_t>(random);
+  EXPECT_EQ(one_pass(source), expected);
+
+  // The pass's epoch reaches the sampler: DistributedSampler reshuffles.
+  auto distributed = std::make_shared<conveyor::DistributedSampler>(size_t{20}, 1, 0, true, 7);
+  auto by_epoch = nodes::from_sampler<size_t>(distributed);
+  by_epoch.set_epoch(4);
+  const Indices epoch4 = one_pass(by_epoch);
+  distributed->set_epoch(4);
+  EXPECT_EQ(epoch4, sampler_pass(*distributed));
+  distributed->set_epoch(5);
+  EXPECT_NE(epoch4, sampler_pass(*distributed));
+
+  // Shards: the k-th index goes to shard k % count.
+  auto sharded = nodes::from_sampler<size_t>(std::make_shared<conveyor::SequentialSampler>(size_t{7}));
+  sharded.shard(ShardSpec{1, 3, 0, 1});
+  EXPECT_EQ(one_pass(sharded), (Indices{1, 4}));
+
+  // Resumed after 6 indices, with the process generator reseeded between.
+  conveyor::manual_seed(8);
+  auto saver = nodes::from_sampler<size_t>(random);
+  Indices whole;
+  std::string saved;
+  {
+    auto pass = saver.pass();
+    for (int i = 0; i < 6; ++i) whole.push_back(*pass.next());
+    saved = saver.state().to_json();
+    while (auto i = pass.next()) whole.push_back(*i);
+  }
+  conveyor::manual_seed(999);
+  auto resumed = nodes::from_sampler<size_t>(std::make_shared<conveyor::RandomSampler>(size_t{20}));
+  resumed.load_state(State::from_json(saved));
+  Indices rest = one_pass(resumed);
+  EXPECT_EQ(rest, Indices(whole.begin() + 6, whole.end()));
+
+  // from_sampler | map(get) is from_map_dataset through the same sampler.
+  conveyor::testing::RangeDataset dataset(20);
+  conveyor::manual_seed(5);
+  auto fetched = nodes::from_map_dataset(dataset, random);
+  const std::vector<int64_t> direct = one_pass(fetched);
+  conveyor::manual_seed(5);
+  auto composed = nodes::from_sampler<size_t>(random) |
+                  nodes::map([&dataset](size_t i) { return dataset.get(i); });
+  EXPECT_EQ(one_pass(composed), direct);
+
+  EXPECT_THROW(nodes::from_sampler(std::shared_ptr<conveyor::Sampler<size_t>>()), conveyor::ValueError);
+}
+
 // A dataset that fetches a batch at once: get_batch() is what a batch
 // sampler's source calls, never get() index by index.
 struct BatchFetchingDataset final : conveyor::Dataset<int64_t> {

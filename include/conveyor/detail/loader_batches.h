@@ -1,11 +1,13 @@
 // conveyor/detail/loader_batches.h: the loader's fetch+collate stage, one
 // piece of code with workers or without.
 //
-//   sampler ─► LoaderBatches ─► (TransferStage) ─► consumer
+//   from_sampler ─► LoaderBatches ─► (TransferStage) ─► consumer
 //
-// The epoch's graph: LoaderBatches ("fetch+collate") and, with
-// prefetch_to_device, TransferStage ("to_device") are LoaderNodes, reset
-// once per epoch with its base seed.
+// The epoch's graph: nodes::SamplerSource ("from_sampler", map-style
+// datasets: the batch sampler's indices), LoaderBatches ("fetch+collate")
+// and, with prefetch_to_device, TransferStage ("to_device"), reset once per
+// epoch with its base seed. An iterable dataset has no sampler: its
+// replicas are fetch+collate's own, one per worker.
 //                  │
 //            Lanes: WorkerLanes   (num_workers > 0) the engine's workers,
 //                                 through a SequencedWindow
@@ -45,6 +47,7 @@
 #include "conveyor/detail/worker_scope.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
+#include "conveyor/nodes/sources.h"
 #include "conveyor/worker_info.h"
 
 namespace conveyor::detail {
@@ -747,13 +750,22 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   using Taken = LanesTaken<batch_type>;
 
   LoaderBatches(std::shared_ptr<Core> core, std::unique_ptr<Lanes> lanes)
-      : core_(std::move(core)), lanes_(std::move(lanes)) {}
+      : core_(std::move(core)), lanes_(std::move(lanes)) {
+    // The sampler's epoch is set_epoch()'s (PyTorch's), and its start is
+    // saved with the loader's generators (DataLoader::epoch_start).
+    if (core_->plan.kind == DatasetKind::map) {
+      sampler_ = std::make_unique<nodes::SamplerSource<BatchIndices>>(
+          core_->plan.index_sampler, nodes::SamplerSource<BatchIndices>::Options{
+                                         .follow_pass_epoch = false, .save_start = false, .name = "from_sampler"});
+    }
+  }
 
   using Node<batch_type>::reset;
   // The sampler's iter() runs here, after the lanes are leased: a throwing
   // iter() gives the lease back as the lanes go. A pass the loader resumes
   // (core.resume) passes over what its consumer had received.
   void reset(const PassContext& pass, ResetWalk& walk) override {
+    const uint64_t sampler_id = sampler_ ? walk.next_id++ : 0;  // ids in the data's order
     id_ = walk.next_id++;
     progress_ = core_->progress;
     resume_ = std::exchange(core_->resume, std::nullopt);
@@ -761,7 +773,6 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     progress_->begin(iterable ? lanes_->count() : 0, lanes_->count(), core_->plan.prefetch_to_device > 0);
     lanes_->begin_pass(static_cast<int64_t>(pass.seed), pass.epoch, *progress_, resume_ ? &*resume_ : nullptr);
     next_batch_ = 0;
-    batches_.reset();
     sampler_done_ = false;
     sampler_error_ = nullptr;
     submitted_ = 0;
@@ -788,8 +799,8 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
         }
       }
     }
-    if (core_->plan.kind == DatasetKind::map) {
-      batches_ = core_->plan.index_sampler->iter();
+    if (sampler_) {
+      sampler_->reset_as(pass, walk, sampler_id);
       if (resume_) replay_received_prefix();
     }
   }
@@ -801,11 +812,11 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     const uint64_t prefix = resume_->position.batches.prefix;
     try {
       while (next_batch_ < prefix) {
-        if (!batches_->next(indices_)) {
+        if (sampler_->skip(1, true) == 0) {
           sampler_done_ = true;
           return;
         }
-        ++next_batch_;
+        ++next_batch_;  // one at a time: a sampler that throws leaves the count drawn before it
       }
     } catch (...) {
       sampler_error_ = std::current_exception();
@@ -852,6 +863,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   // In: jobs handed to the lanes (the sampler's batches of indices, or
   // requests to a replica); out: batches and failed batches handed on.
   void collect_metrics(std::vector<NodeMetrics>& out) const override {
+    if (sampler_) sampler_->collect_metrics(out);
     NodeMetrics mine{name(), id_};
     mine.items_in = submitted_;
     mine.items_out = handed_out_;
@@ -922,7 +934,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
         // them once the batches it received are drawn again (not fetched).
         if (resume_ && next_batch_ == resume_->position.batches.prefix) lanes_->seek_generator();
         try {
-          if (!batches_->next(indices_)) {
+          if (!sampler_->next_into(indices_)) {
             sampler_done_ = true;
             return;
           }
@@ -952,7 +964,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   std::shared_ptr<Core> core_;
   std::shared_ptr<EpochProgress> progress_;  // the pass's: what the consumer has received
   std::optional<LoaderResume> resume_;        // a resumed pass: what it passes over
-  std::unique_ptr<SamplerIterator<BatchIndices>> batches_;
+  // Map-style: the graph's first node, driven from fill() (next_into: no
+  // allocation per batch).
+  std::unique_ptr<nodes::SamplerSource<BatchIndices>> sampler_;
   uint64_t next_batch_ = 0;  // map-style: the sampler's batches drawn this pass
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;

@@ -2,6 +2,7 @@
 //
 //   from_vector(items)            the items, in order
 //   from_range(begin, end)        begin, begin + 1, ..., end - 1 (int64_t)
+//   from_sampler(s)               s's indices, or batches of indices
 //   from_map_dataset(d[, s])      d.get(i) for i in sampler s (default: 0..size-1);
 //                                 with a batch sampler, d.get_batch(b) per batch
 //   from_iterable(d)              d.iter(worker)'s stream
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "conveyor/dataset.h"
+#include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/node.h"
 #include "conveyor/nodes/stage.h"
@@ -132,6 +134,153 @@ inline Pipeline<int64_t> from_range(int64_t begin, int64_t end) {
   return Pipeline<int64_t>(std::make_unique<RangeSource>(begin, end));
 }
 
+// A sampler's indices (Index = size_t) or batches of indices (BatchIndices),
+// one pass of it per reset. It is from_sampler(s) on its own, the index half
+// of from_map_dataset, and a DataLoader's first node (from_sampler, then
+// fetch+collate, then to_device). Shardable: the k-th index (or batch) of
+// the sampler's pass goes to shard k % count.
+template <class Index>
+class SamplerSource final : public Source<Index> {
+ public:
+  struct Options {
+    // Each pass tells the sampler its epoch (DistributedSampler reshuffles
+    // by it). A DataLoader leaves that to its set_epoch(), as PyTorch does.
+    bool follow_pass_epoch = true;
+    // A state holds the sampler (and the process generator, when the
+    // sampler draws from it) as the pass began, so that a resumed pass,
+    // in a new process too, draws the same order. Off where the owner saves
+    // them (a DataLoader's epoch start) or there is nothing to save.
+    bool save_start = true;
+    // Names the node in metrics and its sampler in errors.
+    std::string name = "from_sampler";
+  };
+
+  explicit SamplerSource(std::shared_ptr<Sampler<Index>> sampler, Options options = {})
+      : sampler_(std::move(sampler)), options_(std::move(options)) {
+    if (!sampler_) throw ValueError(options_.name + ": the sampler is null");
+  }
+
+  using Node<Index>::reset;
+  void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    reset_as(pass, walk, walk.next_id++);
+  }
+  // A pass under an id its owner chose: a node that holds this one in place
+  // of an upstream (from_map_dataset gives its own; a DataLoader numbers its
+  // nodes in the data's order).
+  void reset_as(const PassContext& pass, conveyor::detail::ResetWalk& walk, uint64_t id) {
+    stride_ = detail::take_shard(pass, walk);
+    this->start_metering(pass, id);
+    if (options_.save_start) {
+      // What iter() draws from, as this pass starts: a resumed pass starts
+      // from the saved one (a RandomSampler's permutation is then the same
+      // in a new process).
+      if (const State* saved = conveyor::detail::restored_extras(walk, id)) restore_start(*saved);
+      auto start = std::make_shared<const State>(sampler_start());
+      std::lock_guard lock(pass_start_mutex_);
+      pass_start_ = std::move(start);
+    }
+    if (options_.follow_pass_epoch) sampler_->set_epoch(pass.epoch);
+    indices_ = sampler_->iter();
+    position_ = 0;
+  }
+
+  // This shard's next index (or batch) into `out`, and its place in the
+  // sampler's pass into `position`; false at the end. Not counted as an
+  // output: for an owner that hands out something made from it.
+  bool advance(Index& out, size_t* position = nullptr) {
+    while (true) {
+      if (!indices_->next(out)) return false;
+      const size_t k = position_++;
+      if (k % stride_.step != stride_.first) continue;
+      if (position) *position = k;
+      return true;
+    }
+  }
+  // next() into `out`, counted: allocates nothing once `out` has room (a
+  // DataLoader draws each batch's indices into one reused vector).
+  bool next_into(Index& out) {
+    if (!this->meter_.timed) {
+      if (!advance(out)) return false;
+      this->meter_.out.add(1);
+      return true;
+    }
+    detail::Meter::Clock clock{this->meter_.elapsed_ns};
+    if (!advance(out)) return false;
+    this->meter_.out.add(1);
+    return true;
+  }
+
+  std::optional<Index> produce() override {
+    Index index{};
+    if (!advance(index)) return std::nullopt;
+    return index;
+  }
+  std::string name() const override { return options_.name; }
+  uint64_t skip(uint64_t count, bool) override {
+    uint64_t skipped = 0;
+    Index index{};
+    while (skipped < count && advance(index)) ++skipped;
+    return skipped;
+  }
+  void save_extras(State& nodes, bool in_pass) const override { save_start(nodes, in_pass, this->id_); }
+  // The sampler as the pass began or, between passes, as the next one will
+  // begin, under `id`.
+  void save_start(State& nodes, bool in_pass, uint64_t id) const {
+    if (!options_.save_start) return;
+    std::shared_ptr<const State> start;
+    {
+      std::lock_guard lock(pass_start_mutex_);
+      start = pass_start_;
+    }
+    nodes.set(std::to_string(id), in_pass && start ? *start : sampler_start());
+  }
+
+ private:
+  State sampler_start() const {
+    State out = State::object();
+    out.set("sampler_fingerprint", sampler_->fingerprint());
+    out.set("sampler", sampler_->state());
+    if (sampler_->draws_from_default_generator()) {
+      const std::vector<uint8_t> bytes = default_generator().get_state();
+      out.set("process_generator", std::string(bytes.begin(), bytes.end()));
+    }
+    return out;
+  }
+  void restore_start(const State& saved) {
+    const State& fingerprint = saved.at("sampler_fingerprint");
+    if (!(fingerprint == sampler_->fingerprint())) {
+      throw StateError("load_state: " + options_.name + "'s sampler was saved as " + fingerprint.to_json() +
+                       ", but this one is " + sampler_->fingerprint().to_json());
+    }
+    const State* process = saved.find("process_generator");
+    if (sampler_->draws_from_default_generator() != (process != nullptr)) {
+      throw StateError("load_state: " + options_.name + "'s sampler " +
+                       (process ? "drew from the process generator when saved, and has a generator of its own now"
+                                : "had a generator of its own when saved, and draws from the process generator now"));
+    }
+    sampler_->load_state(saved.at("sampler"));
+    if (process) {
+      const std::string& text = process->as_string("process_generator");
+      default_generator().set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+    }
+  }
+
+  std::shared_ptr<Sampler<Index>> sampler_;
+  Options options_;
+  // Set at reset (a mid-pass one may run on a strand), read by state() on
+  // the consumer's thread: under a mutex, taken once a pass and once a state.
+  mutable std::mutex pass_start_mutex_;
+  std::shared_ptr<const State> pass_start_;
+  std::unique_ptr<SamplerIterator<Index>> indices_;
+  detail::Stride stride_;
+  size_t position_ = 0;  // the sampler's indices drawn this pass, every shard's
+};
+
+template <class Index>
+Pipeline<Index> from_sampler(std::shared_ptr<Sampler<Index>> sampler) {
+  return Pipeline<Index>(std::make_unique<SamplerSource<Index>>(std::move(sampler)));
+}
+
 // d.get(i) for the sampler's indices (default: 0 .. d.size() - 1, read at
 // each pass); with a batch sampler (Index = BatchIndices), d.get_batch(b)
 // for each batch of indices, one item a batch. The dataset is shared, or
@@ -146,40 +295,17 @@ class MapDatasetSource final
   static constexpr bool kBatches = std::is_same_v<Index, BatchIndices>;
   using T = std::conditional_t<kBatches, std::vector<sample_t<D>>, sample_t<D>>;
   MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<Index>> sampler)
-      : dataset_(std::move(dataset)), sampler_(std::move(sampler)) {
-    if (kBatches && !sampler_) throw ValueError("from_map_dataset: the batch sampler is null");
-  }
+      : dataset_(std::move(dataset)), indices_(index_source(dataset_.get(), std::move(sampler))) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    stride_ = detail::take_shard(pass, walk);
-    this->start_metering(pass, walk.next_id++);
-    if (sampler_) {
-      // What iter() draws from, as this pass starts: a resumed pass starts
-      // from the saved one (a RandomSampler's permutation is then the same
-      // in a new process).
-      if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) restore_start(*saved);
-      {
-        auto start = std::make_shared<const State>(sampler_start());
-        std::lock_guard lock(pass_start_mutex_);
-        pass_start_ = std::move(start);
-      }
-      sampler_->set_epoch(pass.epoch);
-      indices_ = sampler_->iter();
-    } else if constexpr (!kBatches) {
-      indices_ = SequentialSampler([d = dataset_.get()] { return static_cast<size_t>(d->size()); }).iter();
-    }
-    position_ = 0;
+    const uint64_t id = walk.next_id++;
+    this->start_metering(pass, id);
+    indices_->reset_as(pass, walk, id);
   }
   std::optional<T> produce() override {
     Index index{};
-    // Skip what belongs to other shards: the k-th index (or batch) goes to
-    // shard k % count.
-    size_t k = 0;
-    while (true) {
-      if (!indices_->next(index)) return std::nullopt;
-      k = position_++;
-      if (k % stride_.step == stride_.first) break;
-    }
+    size_t k = 0;  // the index's (or batch's) place in the sampler's pass
+    if (!indices_->advance(index, &k)) return std::nullopt;
     try {
       if constexpr (kBatches) {
         return dataset_->get_batch(std::span<const size_t>(index));
@@ -199,64 +325,27 @@ class MapDatasetSource final
   std::string name() const override { return kBatches ? "from_map_dataset(batches)" : "from_map_dataset"; }
   // The sampler's state (and the process generator's, when it draws from
   // it) as the pass began, or, between passes, as the next one will.
-  void save_extras(State& nodes, bool in_pass) const override {
-    if (!sampler_) return;
-    std::shared_ptr<const State> start;
-    {
-      std::lock_guard lock(pass_start_mutex_);
-      start = pass_start_;
-    }
-    nodes.set(std::to_string(this->id_), in_pass && start ? *start : sampler_start());
-  }
+  void save_extras(State& nodes, bool in_pass) const override { indices_->save_start(nodes, in_pass, this->id_); }
   // The sampler's indices, without get(): a failed get() was an output too.
-  uint64_t skip(uint64_t count, bool) override {
-    uint64_t skipped = 0;
-    Index index{};
-    while (skipped < count && indices_->next(index)) {
-      if (position_++ % stride_.step == stride_.first) ++skipped;
-    }
-    return skipped;
-  }
+  uint64_t skip(uint64_t count, bool clean) override { return indices_->skip(count, clean); }
 
  private:
-  State sampler_start() const {
-    State out = State::object();
-    out.set("sampler_fingerprint", sampler_->fingerprint());
-    out.set("sampler", sampler_->state());
-    if (sampler_->draws_from_default_generator()) {
-      const std::vector<uint8_t> bytes = default_generator().get_state();
-      out.set("process_generator", std::string(bytes.begin(), bytes.end()));
+  // The sampler's pass, or 0 .. d.size() - 1 (nothing to save) without one.
+  static std::unique_ptr<SamplerSource<Index>> index_source(D* dataset, std::shared_ptr<Sampler<Index>> sampler) {
+    typename SamplerSource<Index>::Options options{.name = "from_map_dataset"};
+    if (!sampler) {
+      if constexpr (kBatches) {
+        throw ValueError("from_map_dataset: the batch sampler is null");
+      } else {
+        options.save_start = false;
+        sampler = std::make_shared<SequentialSampler>(DataSize([dataset] { return static_cast<size_t>(dataset->size()); }));
+      }
     }
-    return out;
-  }
-  void restore_start(const State& saved) {
-    const State& fingerprint = saved.at("sampler_fingerprint");
-    if (!(fingerprint == sampler_->fingerprint())) {
-      throw StateError("load_state: from_map_dataset's sampler was saved as " + fingerprint.to_json() +
-                       ", but this one is " + sampler_->fingerprint().to_json());
-    }
-    const State* process = saved.find("process_generator");
-    if (sampler_->draws_from_default_generator() != (process != nullptr)) {
-      throw StateError(std::string("load_state: from_map_dataset's sampler ") +
-                       (process ? "drew from the process generator when saved, and has a generator of its own now"
-                                : "had a generator of its own when saved, and draws from the process generator now"));
-    }
-    sampler_->load_state(saved.at("sampler"));
-    if (process) {
-      const std::string& text = process->as_string("process_generator");
-      default_generator().set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
-    }
+    return std::make_unique<SamplerSource<Index>>(std::move(sampler), std::move(options));
   }
 
   std::shared_ptr<D> dataset_;
-  std::shared_ptr<Sampler<Index>> sampler_;
-  // Set at reset (a mid-pass one may run on a strand), read by state() on
-  // the consumer's thread: under a mutex, taken once a pass and once a state.
-  mutable std::mutex pass_start_mutex_;
-  std::shared_ptr<const State> pass_start_;
-  std::unique_ptr<SamplerIterator<Index>> indices_;
-  detail::Stride stride_;
-  size_t position_ = 0;
+  std::unique_ptr<SamplerSource<Index>> indices_;
 };
 
 template <MapStyleDataset D>

@@ -32,6 +32,12 @@ struct GeneratorPosition {
   uint64_t seed = 0;
   std::shared_ptr<const std::vector<uint8_t>> origin;  // set_state's state, else null (the seed)
   uint64_t draws = 0;
+
+  // The same place in the same stream: origins compare by their bytes.
+  friend bool operator==(const GeneratorPosition& a, const GeneratorPosition& b) {
+    if (a.seed != b.seed || a.draws != b.draws || !a.origin != !b.origin) return false;
+    return !a.origin || a.origin == b.origin || *a.origin == *b.origin;
+  }
 };
 
 // Where a Generator's bits come from: the built-in MT19937, or (see

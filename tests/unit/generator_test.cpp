@@ -149,4 +149,26 @@ TEST(Generator, ManualSeedMakesTheDefaultGeneratorReproducible) {
   EXPECT_EQ(conveyor::default_generator().random(), first);
 }
 
+// Positions are equal where the streams are: the same seed or the same
+// origin's bytes (not the same pointer), and the same number of draws.
+TEST(Generator, PositionsCompareByStreamAndDraws) {
+  conveyor::Generator a(7);
+  conveyor::Generator b(7);
+  EXPECT_EQ(a.position(), b.position());
+  (void)a.random();
+  EXPECT_NE(a.position(), b.position());
+  (void)b.random();
+  EXPECT_EQ(a.position(), b.position());
+  EXPECT_NE(a.position(), conveyor::Generator(8).position());
+
+  a.set_state(a.get_state());  // rebased: an origin of its own
+  b.set_state(b.get_state());
+  ASSERT_NE(a.position()->origin, nullptr);
+  EXPECT_NE(a.position()->origin, b.position()->origin);  // two copies of the same bytes
+  EXPECT_EQ(a.position(), b.position());
+  (void)a.random();
+  EXPECT_NE(a.position(), b.position());
+  EXPECT_NE(conveyor::Generator(7).position(), b.position());  // a seed is not an origin
+}
+
 }  // namespace

@@ -104,7 +104,7 @@ struct PendingSeek {
     // drawn). What the replica drew as it started again (its iter() seeding
     // a shuffle) is what the consumer's pass drew there: a seek back to the
     // start would make it draw the same numbers twice.
-    if (started_at && same_position(**to, *started_at)) {
+    if (started_at && **to == *started_at) {
       to->reset();
       return;
     }
@@ -126,11 +126,6 @@ struct PendingSeek {
     generator->seek(*std::exchange(*start, std::nullopt));
   }
   std::optional<GeneratorPosition> started_at = std::nullopt;  // what apply_start() set
-
-  static bool same_position(const GeneratorPosition& a, const GeneratorPosition& b) {
-    if (a.seed != b.seed || a.draws != b.draws || !a.origin != !b.origin) return false;
-    return !a.origin || a.origin == b.origin || *a.origin == *b.origin;
-  }
 };
 
 // One job into one batch, on whichever thread runs it.

@@ -672,4 +672,57 @@ TEST(AsyncMapResume, OutOfOrderResumesEachItemOnceAloneAndBehindAFilter) {
   }
 }
 
+// A dataset whose get is asynchronous, read in a sampler's order: the
+// sampler's pass as a node (from_sampler), then async_map. In input order it
+// gives what from_map_dataset gives with a synchronous get through the same
+// sampler; stopped, saved and resumed in a new pipeline with the process
+// generator reseeded (a new process), it hands out the rest of the same
+// permutation.
+TEST(AsyncMapResume, AShuffledAsyncDatasetReadsAndResumesInTheSamplersOrder) {
+  constexpr size_t kSize = 200;
+  struct Store {  // get_async(i, done): the value later, on another thread
+    Completer* completer;
+    void get_async(size_t i, Completion<int64_t> done) const {
+      const auto delay = std::chrono::microseconds((i * 2654435761u) % 700);
+      completer->after(delay, [i, done = std::move(done)]() mutable { done(static_cast<int64_t>(i) * 7); });
+    }
+  };
+  struct SyncStore {
+    int64_t get(size_t i) const { return static_cast<int64_t>(i) * 7; }
+    size_t size() const { return kSize; }
+  };
+  Completer completer(3);
+  const Store store{&completer};
+  auto sampler = std::make_shared<conveyor::RandomSampler>(kSize);  // draws from the process generator
+  auto make = [&] {
+    return nodes::from_sampler<size_t>(sampler) |
+           nodes::async_map<int64_t>([&store](size_t i, Completion<int64_t> done) { store.get_async(i, std::move(done)); },
+                                     {.max_in_flight = 48});
+  };
+  conveyor::manual_seed(17);
+  auto synchronous = nodes::from_map_dataset(std::make_shared<SyncStore>(), sampler);
+  const std::vector<int64_t> expected = drain(synchronous);
+  ASSERT_EQ(expected.size(), kSize);
+  conveyor::manual_seed(17);
+  auto whole = make();
+  ASSERT_EQ(drain(whole), expected);
+
+  for (const size_t stop : {size_t{1}, size_t{37}, size_t{150}}) {
+    std::vector<int64_t> got;
+    std::string saved;
+    conveyor::manual_seed(17);
+    {
+      auto pipeline = make();
+      auto pass = pipeline.pass();
+      for (size_t k = 0; k < stop; ++k) got.push_back(*pass.next());
+      saved = pipeline.state().to_json();
+    }
+    conveyor::manual_seed(4242);  // a new process's generator
+    auto pipeline = make();
+    pipeline.load_state(conveyor::State::from_json(saved));
+    for (int64_t v : pipeline.pass()) got.push_back(v);
+    EXPECT_EQ(got, expected) << "stopped after " << stop;
+  }
+}
+
 }  // namespace

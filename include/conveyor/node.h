@@ -293,7 +293,7 @@ class Pipeline {
                        std::to_string(context.shard.world_size) + ", worker " + std::to_string(context.shard.worker) +
                        " of " + std::to_string(context.shard.num_workers) +
                        ", but no node takes the shard, so every rank and worker would read all of it: start from "
-                       "a shardable source (from_vector, from_range, from_map_dataset, from_iterable) or add "
+                       "a shardable source (from_vector, from_range, from_sampler, from_map_dataset, from_iterable) or add "
                        "shard() after the source");
     }
     if (resume && resume->received > 0) {

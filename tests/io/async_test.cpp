@@ -695,7 +695,7 @@ TEST(AsyncMapResume, AShuffledAsyncDatasetReadsAndResumesInTheSamplersOrder) {
   const Store store{&completer};
   auto sampler = std::make_shared<conveyor::RandomSampler>(kSize);  // draws from the process generator
   auto make = [&] {
-    return nodes::from_sampler<size_t>(sampler) |
+    return nodes::from_sampler(sampler) |
            nodes::async_map<int64_t>([&store](size_t i, Completion<int64_t> done) { store.get_async(i, std::move(done)); },
                                      {.max_in_flight = 48});
   };

@@ -165,12 +165,12 @@ TEST(Sources, ASamplersIndicesAreANodeOfTheirOwn) {
   conveyor::manual_seed(3);
   const Indices expected = sampler_pass(*random);
   conveyor::manual_seed(3);
-  auto source = nodes::from_sampler<size_t>(random);
+  auto source = nodes::from_sampler(random);
   EXPECT_EQ(one_pass(source), expected);
 
   // The pass's epoch reaches the sampler: DistributedSampler reshuffles.
   auto distributed = std::make_shared<conveyor::DistributedSampler>(size_t{20}, 1, 0, true, 7);
-  auto by_epoch = nodes::from_sampler<size_t>(distributed);
+  auto by_epoch = nodes::from_sampler(distributed);
   by_epoch.set_epoch(4);
   const Indices epoch4 = one_pass(by_epoch);
   distributed->set_epoch(4);
@@ -179,13 +179,13 @@ TEST(Sources, ASamplersIndicesAreANodeOfTheirOwn) {
   EXPECT_NE(epoch4, sampler_pass(*distributed));
 
   // Shards: the k-th index goes to shard k % count.
-  auto sharded = nodes::from_sampler<size_t>(std::make_shared<conveyor::SequentialSampler>(size_t{7}));
+  auto sharded = nodes::from_sampler(std::make_shared<conveyor::SequentialSampler>(size_t{7}));
   sharded.shard(ShardSpec{1, 3, 0, 1});
   EXPECT_EQ(one_pass(sharded), (Indices{1, 4}));
 
   // Resumed after 6 indices, with the process generator reseeded between.
   conveyor::manual_seed(8);
-  auto saver = nodes::from_sampler<size_t>(random);
+  auto saver = nodes::from_sampler(random);
   Indices whole;
   std::string saved;
   {
@@ -195,7 +195,7 @@ TEST(Sources, ASamplersIndicesAreANodeOfTheirOwn) {
     while (auto i = pass.next()) whole.push_back(*i);
   }
   conveyor::manual_seed(999);
-  auto resumed = nodes::from_sampler<size_t>(std::make_shared<conveyor::RandomSampler>(size_t{20}));
+  auto resumed = nodes::from_sampler(std::make_shared<conveyor::RandomSampler>(size_t{20}));
   resumed.load_state(State::from_json(saved));
   Indices rest = one_pass(resumed);
   EXPECT_EQ(rest, Indices(whole.begin() + 6, whole.end()));
@@ -206,11 +206,64 @@ TEST(Sources, ASamplersIndicesAreANodeOfTheirOwn) {
   auto fetched = nodes::from_map_dataset(dataset, random);
   const std::vector<int64_t> direct = one_pass(fetched);
   conveyor::manual_seed(5);
-  auto composed = nodes::from_sampler<size_t>(random) |
+  auto composed = nodes::from_sampler(random) |
                   nodes::map([&dataset](size_t i) { return dataset.get(i); });
   EXPECT_EQ(one_pass(composed), direct);
 
   EXPECT_THROW(nodes::from_sampler(std::shared_ptr<conveyor::Sampler<size_t>>()), conveyor::ValueError);
+}
+
+// A sampler whose 4th draw throws, once a pass; the pass goes on after it.
+struct SamplerFailingOnce final : conveyor::Sampler<size_t> {
+  size_t size() const override { return 8; }
+  std::string name() const override { return "SamplerFailingOnce"; }
+  std::unique_ptr<conveyor::SamplerIterator<size_t>> iter() override {
+    struct Iterator final : conveyor::SamplerIterator<size_t> {
+      size_t calls = 0, next_index = 0;
+      bool next(size_t& out) override {
+        if (++calls == 4) throw std::runtime_error("draw 4 fails");
+        if (next_index == 8) return false;
+        out = next_index++;
+        return true;
+      }
+    };
+    return std::make_unique<Iterator>();
+  }
+};
+
+// The failed draw is an output where it happened, live and resumed: a
+// pass resumed after it (or before it) hands out exactly the rest.
+TEST(Sources, ASamplersFailedDrawKeepsItsPlaceWhenAPassResumes) {
+  // Up to `stop_after` outcomes of a pass; `state`: the pipeline's, taken
+  // there, in the pass.
+  auto outcomes = [](Pipeline<size_t>& pipeline, size_t stop_after, State* state = nullptr) {
+    std::vector<std::string> out;
+    auto pass = pipeline.pass();
+    while (out.size() < stop_after) {
+      try {
+        std::optional<size_t> index = pass.next();
+        if (!index) break;
+        out.push_back(std::to_string(*index));
+      } catch (const std::runtime_error& error) {
+        out.push_back(error.what());
+      }
+    }
+    if (state) *state = pipeline.state();
+    return out;
+  };
+  auto live = nodes::from_sampler(std::make_shared<SamplerFailingOnce>());
+  const std::vector<std::string> whole = outcomes(live, 100);
+  ASSERT_EQ(whole, (std::vector<std::string>{"0", "1", "2", "draw 4 fails", "3", "4", "5", "6", "7"}));
+  for (size_t stop = 1; stop < whole.size(); ++stop) {
+    auto first = nodes::from_sampler(std::make_shared<SamplerFailingOnce>());
+    State saved;
+    std::vector<std::string> got = outcomes(first, stop, &saved);
+    auto resumed = nodes::from_sampler(std::make_shared<SamplerFailingOnce>());
+    resumed.load_state(saved);
+    const std::vector<std::string> rest = outcomes(resumed, 100);
+    got.insert(got.end(), rest.begin(), rest.end());
+    EXPECT_EQ(got, whole) << "stopped after " << stop;
+  }
 }
 
 // A dataset that fetches a batch at once: get_batch() is what a batch

@@ -160,6 +160,7 @@ TEST(Generator, PositionsCompareByStreamAndDraws) {
   (void)b.random();
   EXPECT_EQ(a.position(), b.position());
   EXPECT_NE(a.position(), conveyor::Generator(8).position());
+  EXPECT_NE(conveyor::Generator(7).position(), conveyor::Generator(8).position());  // the seed alone
 
   a.set_state(a.get_state());  // rebased: an origin of its own
   b.set_state(b.get_state());

@@ -807,7 +807,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     const uint64_t prefix = resume_->position.batches.prefix;
     try {
       while (next_batch_ < prefix) {
-        if (sampler_->skip(1, true) == 0) {
+        if (!sampler_->advance(indices_)) {
           sampler_done_ = true;
           return;
         }
@@ -856,7 +856,10 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     metrics.window = lanes_->window();
   }
   // In: jobs handed to the lanes (the sampler's batches of indices, or
-  // requests to a replica); out: batches and failed batches handed on.
+  // requests to a replica); out: batches and failed batches handed on. A
+  // resumed pass draws the batches received before the state again without
+  // counting them; the sampler's out then counts the ones received out of
+  // turn too, which fetch+collate drops (they are not made again).
   void collect_metrics(std::vector<NodeMetrics>& out) const override {
     if (sampler_) sampler_->collect_metrics(out);
     NodeMetrics mine{name(), id_};

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -216,10 +217,19 @@ class SamplerSource final : public Source<Index> {
     return index;
   }
   std::string name() const override { return options_.name; }
-  uint64_t skip(uint64_t count, bool) override {
+  // Draws without handing out. With `clean` false some of the outputs were
+  // errors: a draw that throws was one of them, as it was when pulled.
+  uint64_t skip(uint64_t count, bool clean) override {
     uint64_t skipped = 0;
     Index index{};
-    while (skipped < count && advance(index)) ++skipped;
+    while (skipped < count) {
+      try {
+        if (!advance(index)) break;
+      } catch (...) {
+        if (clean) throw;  // no output failed: this is a new failure, the caller's to see
+      }
+      ++skipped;
+    }
     return skipped;
   }
   void save_extras(State& nodes, bool in_pass) const override { save_start(nodes, in_pass, this->id_); }
@@ -276,8 +286,12 @@ class SamplerSource final : public Source<Index> {
   size_t position_ = 0;  // the sampler's indices drawn this pass, every shard's
 };
 
-template <class Index>
-Pipeline<Index> from_sampler(std::shared_ptr<Sampler<Index>> sampler) {
+// Any sampler: from_sampler(std::make_shared<RandomSampler>(n)) is a
+// Pipeline<size_t>; a batch sampler's, a Pipeline<BatchIndices>.
+template <class S>
+  requires std::derived_from<S, Sampler<typename S::index_type>>
+Pipeline<typename S::index_type> from_sampler(std::shared_ptr<S> sampler) {
+  using Index = typename S::index_type;
   return Pipeline<Index>(std::make_unique<SamplerSource<Index>>(std::move(sampler)));
 }
 

@@ -765,6 +765,37 @@ TEST(Combine, ForkConsumersEachBehindAPrefetchShareUpstreamSafely) {
   }
 }
 
+// Behind prefetch(n) on each branch of a zip, one branch's strand runs at
+// most n + 1 items ahead of the other's, however the threads are scheduled:
+// a buffer of n + 2 never overflows (the sizing rule in combine.h). Uneven
+// work on one branch lets the other's strand race ahead, each way in turn.
+TEST(Combine, ForkBranchesBehindPrefetchesInAZipStayWithinTheirDepthPlusTwo) {
+  constexpr int kDepth = 4;
+  constexpr int64_t kItems = 200;
+  for (int round = 0; round < 30; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    auto spin = [](int64_t x) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(5);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+      return x;
+    };
+    auto outputs = nodes::fork(nodes::from_range(0, kItems), 2, /*buffer=*/kDepth + 2);
+    const size_t slow = static_cast<size_t>(round % 2);
+    outputs[slow] = std::move(outputs[slow]) | nodes::map(spin);
+    outputs[0] = std::move(outputs[0]) | nodes::prefetch(kDepth);
+    outputs[1] = std::move(outputs[1]) | nodes::prefetch(kDepth);
+    auto zipped = nodes::zip(std::move(outputs[0]), std::move(outputs[1]));
+    int64_t expected = 0;
+    for (const auto& [x, y] : zipped.pass()) {
+      ASSERT_EQ(x, expected);
+      ASSERT_EQ(y, expected);
+      ++expected;
+    }
+    EXPECT_EQ(expected, kItems);
+  }
+}
+
 TEST(Combine, ForkGivesEveryConsumerEveryItemWithinItsBuffer) {
   auto outputs = nodes::fork(nodes::from_range(0, 6), 2, /*buffer=*/3);
   auto a = outputs[0].pass();

@@ -459,6 +459,11 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // threads (each behind its own prefetch or parallel map): they take turns
 // at upstream and the buffer under one mutex, held while upstream makes an
 // item (a consumer that finds its item buffered waits for that pull).
+// Size the buffer above what runs ahead between a consumer and the point
+// where the branches are taken in step: behind prefetch(n) on each branch
+// of a zip, a branch's strand may be n + 1 items ahead of the other
+// branch's, whichever thread is scheduled first, so a buffer of n + 2 or
+// more; a parallel map on a branch pulls up to its window ahead the same way.
 template <class T>
 class ForkState {
  public:

@@ -169,8 +169,13 @@ class SamplerSource final : public Source<Index> {
   // of an upstream (from_map_dataset gives its own; a DataLoader numbers its
   // nodes in the data's order).
   void reset_as(const PassContext& pass, conveyor::detail::ResetWalk& walk, uint64_t id) {
-    stride_ = detail::take_shard(pass, walk);
     this->start_metering(pass, id);
+    begin_pass(pass, walk, id);
+  }
+  // reset_as() without this node's meter: for an owner that counts what it
+  // makes of the indices in its own (from_map_dataset).
+  void begin_pass(const PassContext& pass, conveyor::detail::ResetWalk& walk, uint64_t id) {
+    stride_ = detail::take_shard(pass, walk);
     if (options_.save_start) {
       // What iter() draws from, as this pass starts: a resumed pass starts
       // from the saved one (a RandomSampler's permutation is then the same
@@ -200,15 +205,7 @@ class SamplerSource final : public Source<Index> {
   // next() into `out`, counted: allocates nothing once `out` has room (a
   // DataLoader draws each batch's indices into one reused vector).
   bool next_into(Index& out) {
-    if (!this->meter_.timed) {
-      if (!advance(out)) return false;
-      this->meter_.out.add(1);
-      return true;
-    }
-    detail::Meter::Clock clock{this->meter_.elapsed_ns};
-    if (!advance(out)) return false;
-    this->meter_.out.add(1);
-    return true;
+    return this->meter_.count([&] { return advance(out) ? std::optional<bool>(true) : std::nullopt; }).has_value();
   }
 
   std::optional<Index> produce() override {
@@ -309,17 +306,18 @@ class MapDatasetSource final
   static constexpr bool kBatches = std::is_same_v<Index, BatchIndices>;
   using T = std::conditional_t<kBatches, std::vector<sample_t<D>>, sample_t<D>>;
   MapDatasetSource(std::shared_ptr<D> dataset, std::shared_ptr<Sampler<Index>> sampler)
-      : dataset_(std::move(dataset)), indices_(index_source(dataset_.get(), std::move(sampler))) {}
+      : dataset_(std::move(dataset)),
+        indices_(index_sampler(dataset_.get(), sampler), index_options(sampler != nullptr)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     const uint64_t id = walk.next_id++;
     this->start_metering(pass, id);
-    indices_->reset_as(pass, walk, id);
+    indices_.begin_pass(pass, walk, id);
   }
   std::optional<T> produce() override {
     Index index{};
     size_t k = 0;  // the index's (or batch's) place in the sampler's pass
-    if (!indices_->advance(index, &k)) return std::nullopt;
+    if (!indices_.advance(index, &k)) return std::nullopt;
     try {
       if constexpr (kBatches) {
         return dataset_->get_batch(std::span<const size_t>(index));
@@ -339,27 +337,27 @@ class MapDatasetSource final
   std::string name() const override { return kBatches ? "from_map_dataset(batches)" : "from_map_dataset"; }
   // The sampler's state (and the process generator's, when it draws from
   // it) as the pass began, or, between passes, as the next one will.
-  void save_extras(State& nodes, bool in_pass) const override { indices_->save_start(nodes, in_pass, this->id_); }
+  void save_extras(State& nodes, bool in_pass) const override { indices_.save_start(nodes, in_pass, this->id_); }
   // The sampler's indices, without get(): a failed get() was an output too.
-  uint64_t skip(uint64_t count, bool clean) override { return indices_->skip(count, clean); }
+  uint64_t skip(uint64_t count, bool clean) override { return indices_.skip(count, clean); }
 
  private:
-  // The sampler's pass, or 0 .. d.size() - 1 (nothing to save) without one.
-  static std::unique_ptr<SamplerSource<Index>> index_source(D* dataset, std::shared_ptr<Sampler<Index>> sampler) {
-    typename SamplerSource<Index>::Options options{.name = "from_map_dataset"};
-    if (!sampler) {
-      if constexpr (kBatches) {
-        throw ValueError("from_map_dataset: the batch sampler is null");
-      } else {
-        options.save_start = false;
-        sampler = std::make_shared<SequentialSampler>(DataSize([dataset] { return static_cast<size_t>(dataset->size()); }));
-      }
+  // The sampler's pass, or 0 .. d.size() - 1 without one.
+  static std::shared_ptr<Sampler<Index>> index_sampler(D* dataset, std::shared_ptr<Sampler<Index>> sampler) {
+    if (sampler) return sampler;
+    if constexpr (kBatches) {
+      throw ValueError("from_map_dataset: the batch sampler is null");
+    } else {
+      return std::make_shared<SequentialSampler>(DataSize([dataset] { return static_cast<size_t>(dataset->size()); }));
     }
-    return std::make_unique<SamplerSource<Index>>(std::move(sampler), std::move(options));
+  }
+  // The default sequential pass has nothing to save.
+  static typename SamplerSource<Index>::Options index_options(bool given_sampler) {
+    return {.save_start = given_sampler, .name = "from_map_dataset"};
   }
 
   std::shared_ptr<D> dataset_;
-  std::unique_ptr<SamplerSource<Index>> indices_;
+  SamplerSource<Index> indices_;  // counted in this node's meter, not its own
 };
 
 template <MapStyleDataset D>

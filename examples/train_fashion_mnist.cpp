@@ -2,7 +2,7 @@
 // conveyor's loader (shuffled, multi-worker, augmented on the workers).
 //
 //   train_fashion_mnist [--epochs 2] [--workers 2] [--batch-size 64] [--seed 0]
-//                       [--source idx|shards] [--shards DIR|URL-pattern] [--data DIR]
+//                       [--source idx|shards] [--shards DIR|pattern|URL-pattern] [--data DIR]
 //                       [--scheduling work_stealing|round_robin] [--threads N]
 //                       [--limit N] [--lr 0.002] [--loader-only] [--pin-memory]
 //                       [--distributed] [--checkpoint DIR [--checkpoint-every N]
@@ -20,7 +20,9 @@
 // fingerprint is then of the job's mean loss per step.
 //
 // --shards http://host/train-{000000..000011}.tar: the shards are streamed
-// over HTTP(S) as they are read (conveyor::io), not downloaded first.
+// over HTTP(S) as they are read (conveyor::io), not downloaded first. A
+// local pattern (DIR/train-{000000..000011}.tar) names shards already
+// written; a plain DIR gets them written on first use.
 //
 // --checkpoint DIR --checkpoint-every N: every N steps, the model, the
 // optimizer and the loader's state (DataLoader::state_dict) are saved into
@@ -98,7 +100,7 @@ struct Flags {
   std::fprintf(stderr,
                "train_fashion_mnist: %s\n"
                "usage: train_fashion_mnist [--epochs N] [--workers N] [--batch-size N] [--seed N]\n"
-               "       [--source idx|shards] [--data DIR] [--shards DIR|URL-pattern]\n"
+               "       [--source idx|shards] [--data DIR] [--shards DIR|pattern|URL-pattern]\n"
                "       [--scheduling work_stealing|round_robin] [--threads N] [--limit N] [--lr X]\n"
                "       [--loader-only] [--pin-memory] [--distributed]\n"
                "       [--checkpoint DIR [--checkpoint-every N] [--auto-resume]] [--resume DIR]\n",
@@ -238,6 +240,8 @@ conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
 }
 
 bool is_url(const std::string& shards) { return shards.starts_with("http://") || shards.starts_with("https://"); }
+// A brace range names the shards themselves, never a directory to write into.
+bool is_pattern(const std::string& shards) { return shards.find('{') != std::string::npos; }
 
 // Fashion-MNIST as JPEG shards, written once into `directory`.
 std::vector<std::string> ensure_shards(const std::string& directory, const std::string& data) {
@@ -759,6 +763,8 @@ int main(int argc, char** argv) {
 #else
       usage("--shards " + flags.shards + ": URLs need conveyor::io (libcurl), which this build lacks");
 #endif
+    } else if (is_pattern(flags.shards)) {
+      shard_paths = conveyor::expand_shard_pattern(flags.shards);  // a missing one is a DataError naming it
     } else {
       if (job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
 #if CONVEYOR_HAVE_DISTRIBUTED

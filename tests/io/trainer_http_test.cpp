@@ -1,6 +1,7 @@
 // The trainer on tar shards streamed over HTTP (`--shards URL-pattern`)
-// against the same shards read from disk: the same loss curve (its
-// fingerprint) and the same test accuracy. A real nginx on a free loopback
+// against the same shards read from disk, from their directory and through
+// a local pattern: the same loss curve (its fingerprint) and the same test
+// accuracy. A real nginx on a free loopback
 // port (nginx_server.h) serves the shards the disk run wrote; its access log
 // proves the second run read them over HTTP.
 #include <gtest/gtest.h>
@@ -78,6 +79,15 @@ TEST(TrainerOverHttp, SameLossCurveAndAccuracyAsFromDisk) {
       << "from disk:\n" << disk.output << "\nover HTTP:\n" << http.output;
   ASSERT_NE(first_match(disk.output, kAccuracy), "") << disk.output;
   EXPECT_EQ(first_match(http.output, kAccuracy), first_match(disk.output, kAccuracy));
+
+  // The same shards named by a local pattern: read where they are, not
+  // written again into a directory named by the pattern.
+  const std::string local_pattern = directory + "/train-{000000.." + std::string(last) + "}.tar";
+  const Finished local = run(trainer + "'" + local_pattern + "'");
+  ASSERT_EQ(local.status, 0) << local.output;
+  EXPECT_FALSE(fs::exists(local_pattern)) << "the pattern was taken for a directory:\n" << local.output;
+  EXPECT_EQ(local.output.find("writing JPEG tar shards"), std::string::npos) << local.output;
+  EXPECT_EQ(first_match(local.output, kFingerprint), first_match(disk.output, kFingerprint)) << local.output;
 
   int requests = 0;
   for (const std::string& name : names) requests += server.requests_logged("/shards/" + name);

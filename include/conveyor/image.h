@@ -93,6 +93,11 @@ Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& n
 Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& file,
                             const std::string& member, int channels);
 
+// Throws ValueError unless `channels` is 0 (as stored), 1 or 3: the check
+// each decode above makes first, for a caller that takes the argument long
+// before any bytes (the decode_image node).
+void check_image_channels(int channels);
+
 // Encodes an [C, H, W] image (C = 1 or 3). Throws ValueError for other shapes
 // (and for a quality outside [1, 100]). JPEG uses 4:2:0 chroma subsampling
 // and the accurate DCT, libjpeg's defaults.

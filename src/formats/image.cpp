@@ -426,15 +426,6 @@ decltype(auto) with_decoder(std::span<const uint8_t> bytes, const ImageSource& s
                      std::to_string(bytes.size()) + " bytes)");
 }
 
-// Validated before any parsing, so a bad argument is a ValueError whatever the
-// bytes hold.
-void check_channels_argument(int requested) {
-  if (requested != 0 && requested != 1 && requested != 3) {
-    throw ValueError("decode_image: channels must be 0 (as stored), 1 or 3, got " +
-                     std::to_string(requested));
-  }
-}
-
 int output_channels(int requested, const ImageInfo& stored) {
   return requested == 0 ? stored.channels : requested;
 }
@@ -477,6 +468,14 @@ struct TurboJpegBufferDeleter {
 
 }  // namespace
 
+// Validated before any parsing, so a bad argument is a ValueError whatever the
+// bytes hold.
+void check_image_channels(int channels) {
+  if (channels != 0 && channels != 1 && channels != 3) {
+    throw ValueError("decode_image: channels must be 0 (as stored), 1 or 3, got " + std::to_string(channels));
+  }
+}
+
 ImageFormat sniff_image_format(std::span<const uint8_t> bytes) noexcept {
   if (starts_with(bytes, kJpegMagic)) return ImageFormat::jpeg;
   if (starts_with(bytes, kPngMagic)) return ImageFormat::png;
@@ -491,7 +490,7 @@ ImageInfo read_image_info(std::span<const uint8_t> bytes, const std::string& nam
 
 ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> out,
                             const std::string& name, int channels) {
-  check_channels_argument(channels);
+  check_image_channels(channels);
   const std::string no_member;
   const ImageSource source{name, no_member};
   return with_decoder(bytes, source, [&](auto& decoder) {
@@ -514,7 +513,7 @@ ImageInfo decode_image_into(std::span<const uint8_t> bytes, std::span<uint8_t> o
 
 Array<uint8_t> decode_image(std::span<const uint8_t> bytes, const std::string& file,
                             const std::string& member, int channels) {
-  check_channels_argument(channels);
+  check_image_channels(channels);
   const ImageSource source{file, member};
   return with_decoder(bytes, source, [&](auto& decoder) {
     const ImageInfo& stored = decoder.info();

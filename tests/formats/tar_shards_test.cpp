@@ -1541,6 +1541,23 @@ TEST(FileNodes, DecodeImageRaisesOrSkipsAnImageThatDoesNotDecodeAndResumesEither
 
 // A URL given where no opener reads URLs fails as a missing file would,
 // and its error says what to add, for untar and for the shard dataset.
+// A bad option is refused where the node is made, naming the value, not as
+// every item's error in the pass.
+TEST(FileNodes, BadOptionsAreRefusedWhenTheNodeIsMade) {
+  const auto message = [](auto&& make) {
+    try {
+      make();
+    } catch (const conveyor::ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no ValueError");
+  };
+  EXPECT_EQ(message([] { (void)nodes::decode_image(2); }),
+            "decode_image: channels must be 0 (as stored), 1 or 3, got 2");
+  EXPECT_EQ(message([] { (void)nodes::read_files({.max_bytes = 0}); }),
+            "read_files: max_bytes should be at least 1, but got 0");
+}
+
 TEST(TarNodes, AURLWithNoOpenerSaysWhichOpenerReadsIt) {
   const std::string url = "http://127.0.0.1:9/shard-000000.tar";
   auto untarred = nodes::from_vector(std::vector<std::string>{url}) | nodes::untar();

@@ -236,7 +236,7 @@ struct SamplerFailingOnce final : conveyor::Sampler<size_t> {
 TEST(Sources, ASamplersFailedDrawKeepsItsPlaceWhenAPassResumes) {
   // Up to `stop_after` outcomes of a pass; `state`: the pipeline's, taken
   // there, in the pass.
-  auto outcomes = [](Pipeline<size_t>& pipeline, size_t stop_after, State* state = nullptr) {
+  auto outcomes = [](auto& pipeline, size_t stop_after, State* state = nullptr) {
     std::vector<std::string> out;
     auto pass = pipeline.pass();
     while (out.size() < stop_after) {
@@ -244,8 +244,9 @@ TEST(Sources, ASamplersFailedDrawKeepsItsPlaceWhenAPassResumes) {
         std::optional<size_t> index = pass.next();
         if (!index) break;
         out.push_back(std::to_string(*index));
-      } catch (const std::runtime_error& error) {
-        out.push_back(error.what());
+      } catch (const conveyor::NodeError& error) {
+        out.push_back(error.node() + "@" + std::to_string(error.position()));
+        EXPECT_NE(std::string(error.what()).find("draw 4 fails"), std::string::npos) << error.what();
       }
     }
     if (state) *state = pipeline.state();
@@ -253,7 +254,7 @@ TEST(Sources, ASamplersFailedDrawKeepsItsPlaceWhenAPassResumes) {
   };
   auto live = nodes::from_sampler(std::make_shared<SamplerFailingOnce>());
   const std::vector<std::string> whole = outcomes(live, 100);
-  ASSERT_EQ(whole, (std::vector<std::string>{"0", "1", "2", "draw 4 fails", "3", "4", "5", "6", "7"}));
+  ASSERT_EQ(whole, (std::vector<std::string>{"0", "1", "2", "from_sampler@3", "3", "4", "5", "6", "7"}));
   for (size_t stop = 1; stop < whole.size(); ++stop) {
     auto first = nodes::from_sampler(std::make_shared<SamplerFailingOnce>());
     State saved;
@@ -264,6 +265,15 @@ TEST(Sources, ASamplersFailedDrawKeepsItsPlaceWhenAPassResumes) {
     got.insert(got.end(), rest.begin(), rest.end());
     EXPECT_EQ(got, whole) << "stopped after " << stop;
   }
+  // Under from_map_dataset the failed draw is named there, at its place
+  // in the sampler's pass.
+  struct Identity final : conveyor::Dataset<int64_t> {
+    size_t size() const override { return 8; }
+    int64_t get(size_t index) override { return static_cast<int64_t>(index); }
+  };
+  auto fetched = nodes::from_map_dataset(std::make_shared<Identity>(), std::make_shared<SamplerFailingOnce>());
+  EXPECT_EQ(outcomes(fetched, 100),
+            (std::vector<std::string>{"0", "1", "2", "from_map_dataset@3", "3", "4", "5", "6", "7"}));
 }
 
 // A dataset that fetches a batch at once: get_batch() is what a batch
@@ -609,6 +619,72 @@ TEST(Randomness, MapDrawsDependOnTheItemNotOnWhatRanBefore) {
   EXPECT_NE(every[0], every[1]);
 }
 
+double draw() { return conveyor::uniform(conveyor::default_generator()); }
+
+// A dataset whose get() augments: it draws.
+struct DrawingDataset final : conveyor::Dataset<double> {
+  size_t size() const override { return 12; }
+  double get(size_t) override { return draw(); }
+};
+// An iterable dataset whose next() draws; its shards' seeds, as iter() saw them.
+struct DrawingStream final : conveyor::IterableDataset<double> {
+  std::unique_ptr<conveyor::SampleIterator<double>> iter(const conveyor::WorkerInfo* worker) override {
+    seeds.push_back(worker ? worker->seed : 0);
+    return conveyor::make_sample_iterator<double>([left = 12]() mutable -> std::optional<double> {
+      if (left-- == 0) return std::nullopt;
+      return draw();
+    });
+  }
+  std::optional<size_t> size() const override { return 12; }
+  std::vector<uint64_t> seeds;
+};
+
+// User code in every node that runs it (filter's predicate, flat_map's and
+// collate's functions, a dataset's get() and an iterable's next()) draws
+// from the item's seed, as map's does: not from the process generator, so
+// the same whatever that holds and whichever thread runs the node.
+TEST(Randomness, EveryNodesUserCodeDrawsFromTheItemsSeed) {
+  using Make = std::function<Pipeline<double>()>;
+  const std::vector<std::pair<std::string, Make>> graphs = {
+      {"filter",
+       [] {
+         return nodes::from_range(0, 40) | nodes::filter([](int64_t) { return draw() < 0.5; }) |
+                nodes::map([](int64_t x) { return static_cast<double>(x); });
+       }},
+      {"flat_map",
+       [] { return nodes::from_range(0, 10) | nodes::flat_map([](int64_t) { return std::vector<double>{draw(), draw()}; }); }},
+      {"collate",
+       [] { return nodes::from_range(0, 20) | nodes::batch(4) | nodes::collate([](std::vector<int64_t>) { return draw(); }); }},
+      {"from_map_dataset", [] { return nodes::from_map_dataset(std::make_shared<DrawingDataset>()); }},
+      {"from_iterable", [] { return nodes::from_iterable(std::make_shared<DrawingStream>()); }},
+  };
+  for (const auto& [name, make] : graphs) {
+    conveyor::manual_seed(1);
+    auto serial = make();
+    serial.seed(9);
+    const std::vector<double> first = one_pass(serial);
+    ASSERT_GE(first.size(), 2u) << name;
+    EXPECT_NE(first[0], first[1]) << name << ": each item draws from a seed of its own";
+    conveyor::manual_seed(2);
+    auto threaded = make() | nodes::prefetch(3);  // the node runs on the prefetch's thread
+    threaded.seed(9);
+    EXPECT_EQ(one_pass(threaded), first) << name;
+  }
+  // Each shard of an iterable dataset is told a seed of its own (PyTorch's
+  // base seed + worker id), and its items draw apart from the other's.
+  auto stream = std::make_shared<DrawingStream>();
+  std::vector<std::vector<double>> shards;
+  for (int64_t worker = 0; worker < 2; ++worker) {
+    auto pipeline = nodes::from_iterable(stream);
+    pipeline.seed(9);
+    pipeline.shard(ShardSpec{0, 1, worker, 2});
+    shards.push_back(one_pass(pipeline));
+  }
+  ASSERT_EQ(stream->seeds.size(), 2u);
+  EXPECT_EQ(stream->seeds[1], stream->seeds[0] + 1);
+  EXPECT_NE(shards[0], shards[1]);
+}
+
 TEST(Repetition, TakeRepeatAndCache) {
   auto taken = nodes::from_range(0, 100) | nodes::take(3);
   EXPECT_EQ(one_pass(taken), iota(3));
@@ -815,6 +891,12 @@ TEST(Combine, ForkGivesEveryConsumerEveryItemWithinItsBuffer) {
   }
   EXPECT_EQ(got_a, iota(6));
   EXPECT_EQ(got_b, iota(6));
+  try {
+    (void)nodes::fork(nodes::from_range(0, 6), 2, /*buffer=*/0);
+    ADD_FAILURE() << "a buffer of 0 was accepted";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(), "fork: buffer should be at least 1, but got 0");
+  }
 }
 
 TEST(Errors, AFailedItemNamesItsNodeAndPositionAndThePassGoesOn) {
@@ -881,6 +963,46 @@ TEST(Metrics, EveryNodeCountsItsItemsInAndOutSourcesFirst) {
   EXPECT_NE(table.find("items in"), std::string::npos) << table;
   EXPECT_NE(table.find("batch(10)"), std::string::npos) << table;
   EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 5) << table;
+}
+
+// A combining node counts as in every item it takes from its sources,
+// whether its pull went through the meter or asked a source's try_next().
+TEST(Metrics, CombiningNodesCountEveryItemTheyTake) {
+  const auto metrics_of = [](auto& pipeline, const std::string& name) {
+    for (const auto& m : pipeline.metrics()) {
+      if (m.name == name) return m;
+    }
+    ADD_FAILURE() << "no node " << name;
+    return conveyor::NodeMetrics{};
+  };
+  {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 5));
+    sources.push_back(nodes::from_range(100, 102));
+    auto joined = nodes::join(std::move(sources));
+    EXPECT_EQ(one_pass(joined).size(), 7u);
+    const auto join = metrics_of(joined, "join");
+    EXPECT_EQ(join.items_in, 7u);
+    EXPECT_EQ(join.items_out, 7u);
+  }
+  {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 2));
+    sources.push_back(nodes::from_range(10, 14));
+    auto muxed = nodes::mux(std::move(sources));
+    EXPECT_EQ(one_pass(muxed).size(), 6u);
+    EXPECT_EQ(metrics_of(muxed, "mux").items_in, 6u);
+  }
+  {
+    auto outputs = nodes::fork(nodes::from_range(0, 6), 2, /*buffer=*/8);
+    EXPECT_EQ(one_pass(outputs[0]).size(), 6u);
+    EXPECT_EQ(one_pass(outputs[1]).size(), 6u);
+    for (size_t consumer = 0; consumer < 2; ++consumer) {
+      const auto fork = metrics_of(outputs[consumer], "fork[" + std::to_string(consumer) + "]");
+      EXPECT_EQ(fork.items_in, 6u) << consumer;
+      EXPECT_EQ(fork.items_out, 6u) << consumer;
+    }
+  }
 }
 
 TEST(Metrics, ATimedPassPutsTheTimeInTheNodeThatSpentIt) {

@@ -21,6 +21,7 @@
 #include "conveyor/array.h"
 #include "conveyor/buffer.h"
 #include "conveyor/collate.h"
+#include "conveyor/detail/worker_scope.h"
 #include "conveyor/nodes/stage.h"
 
 namespace conveyor::nodes {
@@ -85,6 +86,8 @@ class Collate final : public Stage<Items, std::remove_cvref_t<std::invoke_result
     // Into the pinned pool below a pin_memory, on whichever thread runs this.
     std::optional<conveyor::detail::AllocatorScope> memory;
     if (this->pass_.batch_memory) memory.emplace(this->pass_.batch_memory);
+    // A collate that draws (a mixup) draws from the batch's own seed.
+    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
     try {
       return fn_(std::move(*items));
     } catch (...) {

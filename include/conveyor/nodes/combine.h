@@ -428,6 +428,7 @@ class Join final : public Merge<T> {
       }
       if (poll == Poll::ready) {
         log_.append(static_cast<uint32_t>(i));
+        this->meter_.in.add(1);  // a pull past the meter's wait()
         return Poll::ready;
       }
       if (poll == Poll::end) this->retire(i);
@@ -610,7 +611,12 @@ class ForkOutput final : public MeteredNode<T> {
   void save_extras(State& nodes, bool in_pass) const override { state_->save_extras(consumer_, nodes, in_pass); }
 
  private:
-  std::optional<T> produce() override { return state_->next(consumer_, this->polling()); }
+  // Its items in are those it takes from the shared buffer.
+  std::optional<T> produce() override {
+    std::optional<T> item = state_->next(consumer_, this->polling());
+    if (item) this->meter_.in.add(1);
+    return item;
+  }
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
     state_->collect_upstream_metrics(consumer_, out);
   }
@@ -622,6 +628,7 @@ class ForkOutput final : public MeteredNode<T> {
 template <class T>
 std::vector<Pipeline<T>> fork(Pipeline<T>&& upstream, size_t consumers, size_t buffer) {
   if (consumers == 0) throw ValueError("fork: needs at least one consumer");
+  if (buffer == 0) throw ValueError("fork: buffer should be at least 1, but got 0");
   auto state = std::make_shared<ForkState<T>>(std::move(upstream).release(), consumers, buffer);
   std::vector<Pipeline<T>> outputs;
   for (size_t i = 0; i < consumers; ++i) outputs.emplace_back(std::make_unique<ForkOutput<T>>(state, i));

@@ -4,6 +4,7 @@
 //                   each item's draws are seeded from its position)
 //   filter(p)       the items for which p(item) is true
 //   flat_map(f)     every element of the range f(item) returns, in order
+// (p and f draw the same way: from the item's seed)
 //
 // With OnError::skip an item whose f throws is dropped and counted
 // (skipped()); with OnError::raise (default) next() throws a NodeError and
@@ -75,6 +76,7 @@ class Filter final : public Stage<T, T> {
   std::optional<T> produce() override {
     while (std::optional<T> item = this->pull()) {
       bool keep = false;
+      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
       try {
         keep = predicate_(static_cast<const T&>(*item));
       } catch (...) {
@@ -117,6 +119,7 @@ class FlatMap final
       current_.reset();
       std::optional<In> item = this->pull();
       if (!item) return std::nullopt;
+      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
       try {
         current_.emplace(f_(std::move(*item)));
       } catch (...) {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "conveyor/dataset.h"
+#include "conveyor/detail/worker_scope.h"
 #include "conveyor/errors.h"
 #include "conveyor/generator.h"
 #include "conveyor/node.h"
@@ -202,15 +203,23 @@ class SamplerSource final : public Source<Index> {
       return true;
     }
   }
+  // The place in the sampler's pass of the next draw, every shard's counted.
+  size_t drawn() const noexcept { return position_; }
   // next() into `out`, counted: allocates nothing once `out` has room (a
-  // DataLoader draws each batch's indices into one reused vector).
+  // DataLoader draws each batch's indices into one reused vector). A draw
+  // that throws reaches the caller as the sampler threw it (a DataLoader
+  // raises it as PyTorch does); next() names the node and the place.
   bool next_into(Index& out) {
     return this->meter_.count([&] { return advance(out) ? std::optional<bool>(true) : std::nullopt; }).has_value();
   }
 
   std::optional<Index> produce() override {
     Index index{};
-    if (!advance(index)) return std::nullopt;
+    try {
+      if (!advance(index)) return std::nullopt;
+    } catch (...) {
+      conveyor::detail::throw_node_error(name(), position_);
+    }
     return index;
   }
   std::string name() const override { return options_.name; }
@@ -312,12 +321,21 @@ class MapDatasetSource final
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     const uint64_t id = walk.next_id++;
     this->start_metering(pass, id);
+    pass_ = pass;
     indices_.begin_pass(pass, walk, id);
   }
   std::optional<T> produce() override {
     Index index{};
     size_t k = 0;  // the index's (or batch's) place in the sampler's pass
-    if (!indices_.advance(index, &k)) return std::nullopt;
+    try {
+      if (!indices_.advance(index, &k)) return std::nullopt;
+    } catch (...) {
+      // A draw that failed has no index: its place in the sampler's pass.
+      conveyor::detail::throw_node_error(name(), indices_.drawn());
+    }
+    // get()'s draws (an augmentation) come from the draw's own seed: its
+    // place in the sampler's pass, unique across shards.
+    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, k));
     try {
       if constexpr (kBatches) {
         return dataset_->get_batch(std::span<const size_t>(index));
@@ -358,6 +376,7 @@ class MapDatasetSource final
 
   std::shared_ptr<D> dataset_;
   SamplerSource<Index> indices_;  // counted in this node's meter, not its own
+  PassContext pass_;
 };
 
 template <MapStyleDataset D>
@@ -393,12 +412,14 @@ class IterableSource final : public Source<sample_t<D>> {
   explicit IterableSource(std::shared_ptr<D> dataset) : dataset_(std::move(dataset)) {}
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    const detail::Stride stride = detail::take_shard(pass, walk);
+    stride_ = detail::take_shard(pass, walk);
     this->start_metering(pass, walk.next_id++);
+    pass_ = pass;
     info_ = WorkerInfo{};
-    info_.id = static_cast<int>(stride.first);
-    info_.num_workers = static_cast<int>(stride.step);
-    info_.seed = item_seed(pass, this->id_, 0);
+    info_.id = static_cast<int>(stride_.first);
+    info_.num_workers = static_cast<int>(stride_.step);
+    // A seed a shard, as PyTorch's base seed + worker id.
+    info_.seed = item_seed(pass, this->id_, 0) + stride_.first;
     info_.set_dataset(dataset_.get());
     if constexpr (requires(D& d) { d.set_epoch(pass.epoch); }) dataset_->set_epoch(pass.epoch);
     stream_.reset();
@@ -412,6 +433,9 @@ class IterableSource final : public Source<sample_t<D>> {
         stream_ = dataset_->iter(&info_);
       }
       if (!stream_) return std::nullopt;
+      // The item's draws come from its own seed, from its place among every
+      // shard's items taken in turn: a resumed pass draws what it drew.
+      conveyor::detail::WorkerScope scope(&info_, item_seed(pass_, this->id_, position_ * stride_.step + stride_.first));
       std::optional<T> item = stream_->next();
       if (item) ++position_;
       return item;
@@ -436,6 +460,8 @@ class IterableSource final : public Source<sample_t<D>> {
 
  private:
   std::shared_ptr<D> dataset_;
+  PassContext pass_;
+  detail::Stride stride_;
   WorkerInfo info_;
   std::unique_ptr<SampleIterator<T>> stream_;
   bool opened_ = false;

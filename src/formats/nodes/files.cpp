@@ -162,6 +162,7 @@ Pipeline<std::string> list_files(std::string root, std::string glob, ListFilesOp
 }
 
 std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFilesOptions options) {
+  if (options.max_bytes == 0) throw ValueError("read_files: max_bytes should be at least 1, but got 0");
   return [options](Pipeline<std::string>&& upstream) {
     return Pipeline<FileBytes>(std::make_unique<ReadFiles>(std::move(upstream).release(), options));
   };
@@ -169,6 +170,7 @@ std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files(ReadFiles
 
 std::function<Pipeline<Array<uint8_t>>(Pipeline<std::vector<uint8_t>>&&)> decode_image(int channels,
                                                                                       OnError on_error) {
+  check_image_channels(channels);  // here, not as every item's error
   return [channels, on_error](Pipeline<std::vector<uint8_t>>&& upstream) {
     return Pipeline<Array<uint8_t>>(std::make_unique<DecodeImage>(std::move(upstream).release(), channels, on_error));
   };

@@ -239,6 +239,17 @@ class HttpGet final : public Stage<Input, HttpObject> {
 
   std::string name() const override { return "http_get(max_in_flight=" + std::to_string(capacity_) + ")"; }
 
+  // One object a URL, not requested (a failed GET was an output too). A
+  // skipped GET is no output: those are requested to be counted out. A
+  // resume skips right after the reset, whose abandon() emptied the window;
+  // should items be admitted, they are the next outputs: pulled and dropped.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean || options_.on_error == OnError::skip || head_ != tail_) {
+      return Stage<Input, HttpObject>::skip(count, clean);
+    }
+    return this->skip_upstream(count, clean);
+  }
+
  protected:
   void stop_pass() override { abandon(); }
   void start_pass() override {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "conveyor/data_error.h"
@@ -40,6 +41,9 @@ std::string object_bytes(int i) {
   return bytes;
 }
 
+// /slow/small.bin's: about a second at 1 KiB/s (nginx sends the first KiB at once).
+std::string slow_small_bytes() { return std::string(1500, 's'); }
+
 std::string object_path(int i) {
   std::string name = std::to_string(i);
   return "/obj/" + std::string(5 - name.size(), '0') + name + ".bin";
@@ -56,6 +60,7 @@ class HttpGetTest : public ::testing::Test {
     server_->write_file("big.bin", big);
     server_->write_file("slow/big.bin", big);
     server_->write_file("chunked/big.bin", big);
+    server_->write_file("slow/small.bin", slow_small_bytes());
     // The same objects where the server ignores Range (max_ranges 0).
     for (int i = 0; i < kRangedObjects; ++i) server_->write_file("norange" + object_path(i), object_bytes(i));
     server_->start();
@@ -378,6 +383,139 @@ TEST_F(HttpGetTest, ARangeIsRetriedThenReportedNamingIt) {
   const std::string what = next_error(pass).what();
   EXPECT_NE(what.find("HTTP 500 (bytes 10-29)"), std::string::npos) << what;
   EXPECT_NE(what.find("(after 3 attempts)"), std::string::npos) << what;
+}
+
+// The outputs of a pass as text: an object's URL and bytes, or the error's
+// URL; each next() taken from `pass` until the end, or `count` of them.
+template <class P>
+std::vector<std::string> outputs(P& pass, size_t count = SIZE_MAX) {
+  std::vector<std::string> out;
+  while (out.size() < count) {
+    try {
+      std::optional<HttpObject> object = pass.next();
+      if (!object) break;
+      out.push_back(object->url + " " + std::string(object->bytes.begin(), object->bytes.end()));
+    } catch (const DataError& error) {
+      out.push_back("error " + error.file());
+    }
+  }
+  return out;
+}
+
+// A pass resumed from a state in a new pipeline (a new process) hands out
+// the rest of the uninterrupted pass without requesting what it passes
+// over: resuming mid-epoch downloads none of those objects again. The URLs
+// carry a query of their own: the log counts this test's GETs only.
+TEST_F(HttpGetTest, AResumedPassDoesNotRequestTheObjectsItPassesOver) {
+  constexpr size_t kTaken = 37;
+  std::vector<std::string> paths, urls;
+  for (int i = 0; i < 100; ++i) {
+    paths.push_back(object_path(i) + "?resumed");
+    urls.push_back(server_->url(paths.back()));
+  }
+  auto make = [&urls] { return from_vector(urls) | http_get({.max_in_flight = 8}); };
+  auto uninterrupted = make();
+  auto whole_pass = uninterrupted.pass();
+  const std::vector<std::string> whole = outputs(whole_pass);
+  ASSERT_EQ(whole.size(), urls.size());
+  std::string saved;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    ASSERT_EQ(outputs(pass, kTaken), std::vector<std::string>(whole.begin(), whole.begin() + kTaken));
+    saved = pipeline.state().to_json();
+  }  // left with the window's transfers in flight
+  std::vector<int> before;
+  for (const std::string& path : paths) before.push_back(server_->requests_logged(path));
+
+  auto resumed = make();
+  resumed.load_state(State::from_json(saved));
+  auto pass = resumed.pass();
+  EXPECT_EQ(outputs(pass), std::vector<std::string>(whole.begin() + kTaken, whole.end()));
+  std::vector<std::string> requested_again, not_requested;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const int requests = server_->requests_logged(paths[i]) - before[i];
+    if (i < kTaken && requests != 0) requested_again.push_back(paths[i]);
+    if (i >= kTaken && requests == 0) not_requested.push_back(paths[i]);
+  }
+  EXPECT_EQ(requested_again, std::vector<std::string>()) << "passed over by the resumed pass, requested again";
+  EXPECT_EQ(not_requested, std::vector<std::string>());
+  EXPECT_EQ(resumed.metrics().back().items_in, urls.size() - kTaken);
+}
+
+// Passes of one pipeline, each left with its window full (a slow transfer
+// running in it, others done and waiting their turn): the next pass, from
+// the start or resumed in place from a state, is complete and in order,
+// every object whole, and the resumed one requests nothing it passes over.
+TEST_F(HttpGetTest, APassLeftWithTransfersInFlightLeavesNothingToTheNext) {
+  constexpr size_t kSlow = 11;
+  std::vector<std::string> urls = object_urls();
+  urls.resize(60);
+  urls[kSlow] = server_->url("/slow/small.bin");
+  auto pipeline = from_vector(urls) | http_get({.max_in_flight = 16});
+  std::vector<std::string> expected;
+  for (size_t i = 0; i < urls.size(); ++i) {
+    expected.push_back(urls[i] + " " + (i == kSlow ? slow_small_bytes() : object_bytes(static_cast<int>(i))));
+  }
+  {
+    auto pass = pipeline.pass();
+    ASSERT_EQ(outputs(pass, 9), std::vector<std::string>(expected.begin(), expected.begin() + 9));
+  }  // left while the slow object (in the window: 9 to 24) still arrives
+  std::string saved;
+  {
+    auto pass = pipeline.pass();
+    std::vector<std::string> got = outputs(pass, 13);  // past the slow one
+    saved = pipeline.state().to_json();
+    for (std::string& output : outputs(pass)) got.push_back(std::move(output));
+    EXPECT_EQ(got, expected);
+  }
+  {
+    auto pass = pipeline.pass();
+    ASSERT_EQ(outputs(pass, 2), std::vector<std::string>(expected.begin(), expected.begin() + 2));
+  }  // left again with the slow object in flight
+  // nginx logs an abandoned response once it finds the connection closed:
+  // at its next send, up to a second later (limit_rate).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (server_->requests_logged("/slow/small.bin") < 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  ASSERT_EQ(server_->requests_logged("/slow/small.bin"), 3) << "one request by each of the three passes";
+  pipeline.load_state(State::from_json(saved));
+  auto resumed = pipeline.pass();
+  EXPECT_EQ(outputs(resumed), std::vector<std::string>(expected.begin() + 13, expected.end()));
+  EXPECT_EQ(server_->requests_logged("/slow/small.bin"), 3) << "the resumed pass requested what it passed over";
+}
+
+// Where a failure was among the outputs passed over (the consumer saw an
+// error) or OnError::skip drops failures, the URLs do not say which outputs
+// were passed over: the resumed pass requests them again, and hands out
+// exactly the rest of the pass.
+TEST_F(HttpGetTest, AResumeOverFailuresHandsOutTheRestOfThePass) {
+  std::vector<std::string> urls;
+  for (int i = 0; i < 30; ++i) {
+    urls.push_back(i % 7 == 3 ? server_->url("/obj/gone-" + std::to_string(i)) : server_->url(object_path(i)));
+  }
+  for (const OnError on_error : {OnError::raise, OnError::skip}) {
+    SCOPED_TRACE(on_error == OnError::raise ? "OnError::raise" : "OnError::skip");
+    auto make = [&] { return from_vector(urls) | http_get({.max_in_flight = 4, .on_error = on_error}); };
+    auto uninterrupted = make();
+    auto whole_pass = uninterrupted.pass();
+    const std::vector<std::string> whole = outputs(whole_pass);
+    std::vector<std::string> got;
+    std::string saved;
+    {
+      auto pipeline = make();
+      auto pass = pipeline.pass();
+      got = outputs(pass, 12);  // past two failures
+      saved = pipeline.state().to_json();
+    }
+    auto resumed = make();
+    resumed.load_state(State::from_json(saved));
+    auto pass = resumed.pass();
+    for (std::string& output : outputs(pass)) got.push_back(std::move(output));
+    EXPECT_EQ(got, whole);
+    EXPECT_EQ(whole.size(), on_error == OnError::raise ? urls.size() : urls.size() - 4);
+  }
 }
 
 // https:// against nginx with a self-signed certificate: trusted through

@@ -30,7 +30,11 @@
 //   most max_backoff); 4xx and max_bytes are final.
 // - Connections are kept and reused across items and passes (HTTP/1.1
 //   keep-alive, HTTP/2 multiplexing where the server offers it).
-// - A reset (a new pass) abandons the transfers in flight.
+// - A reset (a new pass) abandons the transfers in flight. A pass resumed
+//   from a state (Pipeline::load_state) does not request the objects it
+//   passes over, unless its consumer had seen errors or on_error is
+//   OnError::skip (a dropped failure is no output: only the GETs tell which
+//   URLs gave the outputs).
 //
 // Thread-safety: one thread advances the node at a time (as every node).
 #pragma once

@@ -7,7 +7,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -167,7 +170,26 @@ class PoolReader final : public FileReader {
 
 // ---- io_uring ------------------------------------------------------------------
 
+// detail::fail_uring_submits: how many submits go through, then how many fail.
+std::atomic<int> submits_to_pass{0};
+std::atomic<int> submits_to_fail{0};
+
 #if CONVEYOR_IO_HAVE_URING
+
+// -EAGAIN where a test asked this submit to fail (detail::fail_uring_submits), else 0.
+int injected_submit_failure() {
+  if (submits_to_fail.load(std::memory_order_relaxed) == 0) return 0;
+  if (submits_to_pass.load(std::memory_order_relaxed) > 0) {
+    submits_to_pass.fetch_sub(1, std::memory_order_relaxed);
+    return 0;
+  }
+  submits_to_fail.fetch_sub(1, std::memory_order_relaxed);
+  return -EAGAIN;
+}
+
+// The user_data of an entry whose request failed before the kernel took it
+// (submit_locked): its completion is dropped.
+char dropped_entry;
 
 // One ring, one thread waiting on its completion queue. Submissions come from
 // the node's thread (an openat per new file) and from the ring thread (each
@@ -175,6 +197,11 @@ class PoolReader final : public FileReader {
 // a time; the completion queue is the ring thread's alone, which handles
 // each batch of completions under the mutex too (completions only deliver
 // into async_map's window: nothing calls back into the reader).
+//
+// A request belongs to the ring from the moment an entry points at it
+// until its last completion: only then is it deleted. An entry the kernel
+// did not take stays in the ring, and the next io_uring_submit (if any)
+// hands it over; submit_locked() makes it point at nothing first.
 class UringReader final : public FileReader {
  public:
   // nullptr and `why` when the ring cannot be set up.
@@ -192,16 +219,25 @@ class UringReader final : public FileReader {
 
   ~UringReader() override {
     if (!ring_ready_) return;
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-      io_uring_sqe* sqe = sqe_locked();
-      if (sqe) {
-        io_uring_prep_nop(sqe);
-        io_uring_sqe_set_data(sqe, nullptr);  // the stop sentinel
-        io_uring_submit(&ring_);
+    // The stop sentinel, a no-op whose completion ends the thread once no
+    // request is in flight. Until the kernel has taken it, the thread would
+    // wait for it for ever: a failed submit is tried again (the thread
+    // drains completions meanwhile, which is what a busy kernel lacks).
+    bool queued = false;
+    for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(100))) {
+      {
+        std::lock_guard lock(mutex_);
+        if (!queued) {
+          if (io_uring_sqe* sqe = sqe_locked()) {
+            io_uring_prep_nop(sqe);
+            io_uring_sqe_set_data(sqe, nullptr);
+            queued = true;
+          }
+        }
+        submit_locked();
+        if (queued && io_uring_sq_ready(&ring_) == 0) break;
       }
-      stop_submitted_ = sqe != nullptr;
+      std::this_thread::sleep_for(pause);
     }
     // The thread drains every request in flight first: the kernel writes
     // into their buffers until their completions arrive.
@@ -220,14 +256,9 @@ class UringReader final : public FileReader {
       return;
     }
     io_uring_prep_openat(sqe, AT_FDCWD, request->path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
-    io_uring_sqe_set_data(sqe, request.get());
-    const int rc = io_uring_submit(&ring_);
-    if (rc < 0) {
-      fail(request->done, "io_uring_submit failed: " + os_reason(-rc), request->path);
-      return;
-    }
+    queue_locked(sqe, *request.release());  // the ring's now, until its last step
     ++outstanding_;
-    request.release();  // the ring thread's now, until its last step
+    submit_locked();
   }
 
  private:
@@ -247,10 +278,44 @@ class UringReader final : public FileReader {
   io_uring_sqe* sqe_locked() {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (!sqe) {
-      io_uring_submit(&ring_);
+      submit_locked();
       sqe = io_uring_get_sqe(&ring_);
     }
     return sqe;
+  }
+
+  // `sqe`, prepared, now points at `r`: submit_locked() hands it over. Under mutex_.
+  void queue_locked(io_uring_sqe* sqe, Request& r) {
+    io_uring_sqe_set_data(sqe, &r);
+    queued_.push_back({sqe, &r});
+  }
+
+  // Submits the queued entries. One the kernel did not take (io_uring_submit
+  // failed, or took only some) stays in the ring for a later submit that may
+  // never come: it becomes a no-op that points at nothing, and its request
+  // fails now, saying why. So no request waits for ever, and none is deleted
+  // while an entry still points at it. Under mutex_.
+  void submit_locked() {
+    int rc = injected_submit_failure();
+    if (rc == 0) {
+      do {
+        rc = io_uring_submit(&ring_);
+      } while (rc == -EINTR);
+    }
+    // The ring hands entries over in order: those left are the last queued.
+    const unsigned left = io_uring_sq_ready(&ring_);
+    const size_t untaken = std::min<size_t>(left, queued_.size());
+    for (size_t k = queued_.size() - untaken; k < queued_.size(); ++k) {
+      auto [sqe, request] = queued_[k];
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data(sqe, &dropped_entry);
+      finish_error(*request, rc < 0 ? "io_uring_submit failed: " + os_reason(-rc)
+                                    : "io_uring_submit took " + std::to_string(rc) + " of " +
+                                          std::to_string(static_cast<unsigned>(rc) + left) + " entries, not this one's");
+      delete request;
+      --outstanding_;
+    }
+    queued_.clear();
   }
 
   void loop() {
@@ -276,7 +341,9 @@ class UringReader final : public FileReader {
       size_t finished = 0;
       io_uring_for_each_cqe(&ring_, head, cqe) {
         ++seen;
-        auto* request = static_cast<Request*>(io_uring_cqe_get_data(cqe));
+        void* data = io_uring_cqe_get_data(cqe);
+        if (data == &dropped_entry) continue;  // its request failed when it was not taken
+        auto* request = static_cast<Request*>(data);
         if (!request) {
           stop_seen = true;
           continue;
@@ -300,10 +367,10 @@ class UringReader final : public FileReader {
         }
       }
       next.clear();
-      if (prepared) io_uring_submit(&ring_);
-      // Stopping: once the sentinel came back (or could not be queued) and
-      // nothing is in flight, no completion can still arrive.
-      if ((stop_seen || (stopping_ && !stop_submitted_)) && outstanding_ == 0) return;
+      if (prepared) submit_locked();
+      // Stopping: once the sentinel came back and nothing is in flight, no
+      // completion can still arrive.
+      if (stop_seen && outstanding_ == 0) return;
     }
   }
 
@@ -365,7 +432,7 @@ class UringReader final : public FileReader {
                            r.got);
         break;
     }
-    io_uring_sqe_set_data(sqe, &r);
+    queue_locked(sqe, r);
     return true;
   }
 
@@ -391,10 +458,10 @@ class UringReader final : public FileReader {
   uint64_t max_bytes_;
   io_uring ring_{};
   bool ring_ready_ = false;
-  std::mutex mutex_;  // the submission queue, outstanding_, stopping_
-  size_t outstanding_ = 0;
-  bool stopping_ = false;
-  bool stop_submitted_ = false;
+  std::mutex mutex_;  // the submission queue, queued_, outstanding_
+  // Entries prepared since the last submit, in order, and their requests.
+  std::vector<std::pair<io_uring_sqe*, Request*>> queued_;
+  size_t outstanding_ = 0;  // requests the ring holds
   std::thread thread_;
 };
 
@@ -488,6 +555,13 @@ void validate(const ReadFilesAsyncOptions& options) {
 }
 
 }  // namespace
+
+namespace detail {
+void fail_uring_submits(int after, int count) {
+  submits_to_pass.store(after, std::memory_order_relaxed);
+  submits_to_fail.store(count, std::memory_order_relaxed);
+}
+}  // namespace detail
 
 std::string file_io_backend() {
   if (env_forbids_uring()) return "threads (CONVEYOR_IO_URING=0)";

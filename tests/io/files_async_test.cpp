@@ -207,6 +207,110 @@ INSTANTIATE_TEST_SUITE_P(Backends, ReadFilesAsync, ::testing::Values(FileIoBacke
                            return info.param == FileIoBackend::threads ? "threads" : "io_uring";
                          });
 
+// io_uring_submit failing, as the kernel fails it when short of memory
+// (detail::fail_uring_submits), its entries left in the ring, not taken.
+class UringSubmitFails : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (nodes::file_io_backend() != "io_uring") {
+      GTEST_SKIP() << "io_uring is not usable here: " << nodes::file_io_backend();
+    }
+  }
+  void TearDown() override { nodes::detail::fail_uring_submits(0, 0); }
+  static constexpr const char* kWhy = ": io_uring_submit failed: Resource temporarily unavailable";
+};
+
+// The submit of a file's open (the node's thread), of its statx or of its
+// read (the ring thread) fails: that file is a DataError naming it and why,
+// the others are read whole, and nothing waits for an entry the kernel did
+// not take. One file in flight: three submits each.
+TEST_F(UringSubmitFails, TheFileWhoseStepWasNotTakenFailsAndTheOthersAreRead) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 8; ++i) paths.push_back(dir.file("s" + std::to_string(i), static_cast<size_t>(100 + i)));
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(std::string("the submit of file 3's ") + (step == 0 ? "open" : step == 1 ? "statx" : "read") + " fails");
+    auto pipeline = nodes::from_vector(paths) |
+                    nodes::read_files_async({.max_in_flight = 1, .backend = FileIoBackend::io_uring});
+    nodes::detail::fail_uring_submits(3 * 3 + step, 1);
+    auto pass = pipeline.pass();
+    for (size_t k = 0; k < paths.size(); ++k) {
+      if (k == 3) {
+        try {
+          pass.next();
+          ADD_FAILURE() << "no error for " << paths[k];
+        } catch (const DataError& e) {
+          EXPECT_EQ(e.file(), paths[k]);
+          EXPECT_EQ(std::string(e.what()), paths[k] + kWhy);
+        }
+        continue;
+      }
+      auto file = pass.next();
+      ASSERT_TRUE(file) << paths[k];
+      EXPECT_EQ(file->path, paths[k]);
+      EXPECT_EQ(file->bytes, contents(paths[k]));
+    }
+    EXPECT_EQ(pass.next(), std::nullopt);
+  }
+}
+
+// Failed submits among many files in flight (a ring thread's submit holds
+// several steps): each file is whole or a DataError naming it and why (its
+// step not taken, or no entry free for it: the ring's entries held by steps
+// not taken), in its place; the pass ends; the next pass reads every file.
+TEST_F(UringSubmitFails, FailedSubmitsAmongManyInFlightFailOnlyTheirFiles) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 300; ++i) paths.push_back(dir.file("m" + std::to_string(i), static_cast<size_t>(i * 97 % 5000)));
+  auto pipeline = nodes::from_vector(paths) |
+                  nodes::read_files_async({.max_in_flight = 16, .backend = FileIoBackend::io_uring});
+  nodes::detail::fail_uring_submits(40, 6);
+  size_t errors = 0;
+  {
+    auto pass = pipeline.pass();
+    for (size_t k = 0; k < paths.size(); ++k) {
+      try {
+        auto file = pass.next();
+        ASSERT_TRUE(file) << paths[k];
+        EXPECT_EQ(file->path, paths[k]);
+        EXPECT_EQ(file->bytes, contents(paths[k]));
+      } catch (const DataError& e) {
+        EXPECT_EQ(e.file(), paths[k]);
+        const std::string what = e.what();
+        EXPECT_TRUE(what == paths[k] + kWhy || what == paths[k] + ": io_uring: no submission queue entry free") << what;
+        ++errors;
+      }
+    }
+    EXPECT_EQ(pass.next(), std::nullopt);
+  }
+  EXPECT_GE(errors, 1u);
+  size_t k = 0;
+  for (FileBytes& file : pipeline.pass()) {
+    ASSERT_LT(k, paths.size());
+    EXPECT_EQ(file.path, paths[k]);
+    EXPECT_EQ(file.bytes, contents(paths[k]));
+    ++k;
+  }
+  EXPECT_EQ(k, paths.size());
+}
+
+// The destructor's stop entry not taken at first: it is submitted again,
+// and the node goes (its ring thread does not wait for it for ever).
+TEST_F(UringSubmitFails, TheStopIsSubmittedAgainUntilTaken) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 4; ++i) paths.push_back(dir.file("t" + std::to_string(i), 1000));
+  {
+    auto pipeline = nodes::from_vector(paths) |
+                    nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
+    size_t k = 0;
+    for (FileBytes& file : pipeline.pass()) EXPECT_EQ(file.bytes, contents(paths[k++]));
+    EXPECT_EQ(k, paths.size());
+    nodes::detail::fail_uring_submits(0, 3);
+  }
+  SUCCEED() << "the node went";
+}
+
 TEST(ReadFilesAsyncOptions, OutOfRangeNamesTheValue) {
   try {
     nodes::read_files_async({.max_in_flight = 0});

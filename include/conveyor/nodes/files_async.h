@@ -18,10 +18,13 @@
 // openat (O_NONBLOCK: a FIFO never blocks it), a statx of the descriptor
 // (the very file that is read), reads until the size statx gave, all
 // submitted to the ring; the thread only waits for completions and submits
-// the next step. Where io_uring_queue_init fails (an old kernel, seccomp, a
-// container that blocks it) or was not built, a pool of `threads` threads
-// does the same with plain system calls. The first node to start says which
-// on stderr, once per process; file_io_backend() tells it too.
+// the next step. A step the kernel does not take (io_uring_submit failing,
+// as when it is short of memory) fails its file: a DataError naming the
+// path and the reason. Where io_uring_queue_init fails (an old kernel,
+// seccomp, a container that blocks it) or was not built, a pool of
+// `threads` threads does the same with plain system calls. The first node
+// to start says which on stderr, once per process; file_io_backend() tells
+// it too.
 // CONVEYOR_IO_URING=0 in the environment makes `automatic` take the pool.
 //
 // A node's backend starts at its first pass and stops with the node: its
@@ -66,5 +69,13 @@ std::function<Pipeline<FileBytes>(Pipeline<std::string>&&)> read_files_async(Rea
 // reason ")", e.g. "threads (io_uring_queue_init failed: Operation not
 // permitted)". Probes once.
 std::string file_io_backend();
+
+namespace detail {
+// Fault injection for tests: of the io_uring_submit calls that
+// read_files_async's rings make from now on (any node, any thread), the
+// first `after` go through, then `count` fail with EAGAIN (as a kernel short
+// of memory fails them), their entries left in the ring, not taken.
+void fail_uring_submits(int after, int count);
+}  // namespace detail
 
 }  // namespace conveyor::nodes

@@ -45,6 +45,7 @@
 // runs user code on many, and keeps its own upstream on one).
 #pragma once
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -361,13 +362,13 @@ class Pipeline {
   };
 
   // The graph's shape: its nodes' names, without how they run (a map's
-  // workers, a prefetch): a pass's items do not depend on that, so a state
-  // loads whatever the worker counts.
+  // workers, requests in flight, a prefetch's or a transfer's depth): a
+  // pass's items do not depend on that, so a state loads whatever those are.
   State fingerprint() const {
     State names = State::array();
     for (const NodeMetrics& node : metrics()) {
       if (node.name.starts_with("prefetch(")) continue;
-      names.push_back(without_worker_count(node.name));
+      names.push_back(without_run_settings(node.name));
     }
     State shard = State::object();
     shard.set("rank", shard_.rank);
@@ -381,12 +382,26 @@ class Pipeline {
     return out;
   }
 
-  // "map(workers=4, in_order=false)" -> "map(in_order=false)"; "map(workers=4)"
-  // -> "map": a serial map and a parallel one hand out the same items.
-  static std::string without_worker_count(const std::string& name) {
-    if (!name.starts_with("map(workers=")) return name;
-    const size_t comma = name.find(", ");
-    return comma == std::string::npos ? std::string("map") : "map(" + name.substr(comma + 2);
+  // A node's name without how it runs: "map(workers=4, in_order=false)" ->
+  // "map(in_order=false)", "async_map(max_in_flight=64)" -> "async_map",
+  // "to_device(2)" -> "to_device". A serial map and a parallel one, or 64
+  // requests in flight and 1024, hand out the same items; an order or an
+  // error policy (in_order, on_error) changes them and stays.
+  static std::string without_run_settings(const std::string& name) {
+    if (name.starts_with("to_device(")) return "to_device";
+    const size_t open = name.find('(');
+    if (open == std::string::npos || !name.ends_with(')')) return name;
+    const size_t close = name.size() - 1;
+    std::string kept;
+    for (size_t at = open + 1; at < close;) {
+      const size_t end = std::min(name.find(", ", at), close);
+      const std::string setting = name.substr(at, end - at);
+      if (!setting.starts_with("workers=") && !setting.starts_with("max_in_flight=")) {
+        kept += (kept.empty() ? "" : ", ") + setting;
+      }
+      at = end + 2;
+    }
+    return kept.empty() ? name.substr(0, open) : name.substr(0, open + 1) + kept + ")";
   }
 
   NodePtr<T> node_;

@@ -171,6 +171,9 @@ class PoolReader final : public FileReader {
 // ---- io_uring ------------------------------------------------------------------
 
 // detail::fail_uring_submits: how many submits go through, then how many fail.
+// relaxed throughout: plain counters, read and decremented under a ring's
+// mutex (submit_locked) and set by a test between passes; they publish no
+// other data, and the tests use one ring at a time.
 std::atomic<int> submits_to_pass{0};
 std::atomic<int> submits_to_fail{0};
 

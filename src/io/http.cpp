@@ -237,7 +237,10 @@ class HttpGet final : public Stage<Input, HttpObject> {
 
   Poll try_next(std::optional<HttpObject>& out) override { return counted(poll(out)); }
 
-  std::string name() const override { return "http_get(max_in_flight=" + std::to_string(capacity_) + ")"; }
+  std::string name() const override {
+    return "http_get(max_in_flight=" + std::to_string(capacity_) +
+           (options_.on_error == OnError::skip ? ", on_error=skip" : "") + ")";
+  }
 
   // One object a URL, not requested (a failed GET was an output too). A
   // skipped GET is no output: those are requested to be counted out. A

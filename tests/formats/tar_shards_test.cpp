@@ -1558,6 +1558,27 @@ TEST(FileNodes, BadOptionsAreRefusedWhenTheNodeIsMade) {
             "read_files: max_bytes should be at least 1, but got 0");
 }
 
+// Each file node's error policy changes what a resumed pass skips: a state
+// saved under one is refused under the other, never loaded to skip wrongly.
+TEST(FileNodes, AnErrorPolicyIsInTheFingerprint) {
+  constexpr conveyor::OnError raise = conveyor::OnError::raise, skip = conveyor::OnError::skip;
+  const auto members = [](conveyor::OnError read, conveyor::OnError untar, conveyor::OnError group) {
+    return nodes::from_vector(std::vector<std::string>{}) | nodes::read_files({.on_error = read}) |
+           nodes::untar({.on_error = untar}) | nodes::group_by_key({.on_error = group});
+  };
+  const conveyor::State saved = members(raise, raise, raise).state();
+  EXPECT_NO_THROW(members(raise, raise, raise).load_state(saved));
+  for (int changed = 0; changed < 3; ++changed) {
+    auto other = members(changed == 0 ? skip : raise, changed == 1 ? skip : raise, changed == 2 ? skip : raise);
+    EXPECT_THROW(other.load_state(saved), conveyor::StateError) << "node " << changed;
+  }
+  const auto images = [](conveyor::OnError on_error) {
+    return nodes::from_vector(std::vector<std::vector<uint8_t>>{}) | nodes::decode_image(1, on_error);
+  };
+  EXPECT_THROW(images(skip).load_state(images(raise).state()), conveyor::StateError);
+  EXPECT_NO_THROW(images(raise).load_state(images(raise).state()));
+}
+
 TEST(TarNodes, AURLWithNoOpenerSaysWhichOpenerReadsIt) {
   const std::string url = "http://127.0.0.1:9/shard-000000.tar";
   auto untarred = nodes::from_vector(std::vector<std::string>{url}) | nodes::untar();

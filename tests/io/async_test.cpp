@@ -635,6 +635,26 @@ namespace {
 // saved and resumed in a new pipeline: what the two passes hand out together
 // is each item once, alone and behind a filter (which replays by pulling:
 // the resumed map hands the saved order out again).
+// How many requests are in flight does not change what an async_map hands
+// out: a state loads whatever max_in_flight is. Its order and its error
+// policy do: a state of one is refused by the other, before a resumed pass
+// skips what the saved pass handed out by another rule.
+TEST(AsyncMapResume, RequestsInFlightAreNotInTheFingerprintOrderAndErrorPolicyAre) {
+  const auto make = [](nodes::AsyncOptions options) {
+    return nodes::from_range(0, 10) |
+           nodes::async_map<int64_t>([](int64_t i, Completion<int64_t> done) { done(i); }, options);
+  };
+  auto saved = make({.max_in_flight = 4});
+  const conveyor::State state = saved.state();
+  auto wider = make({.max_in_flight = 1024});
+  EXPECT_NO_THROW(wider.load_state(state));
+  auto out_of_order = make({.max_in_flight = 4, .in_order = false});
+  EXPECT_THROW(out_of_order.load_state(state), conveyor::StateError);
+  auto skipping = make({.max_in_flight = 4, .on_error = conveyor::OnError::skip});
+  EXPECT_THROW(skipping.load_state(state), conveyor::StateError);
+  EXPECT_EQ(skipping.metrics().back().name, "async_map(max_in_flight=4, on_error=skip)");
+}
+
 TEST(AsyncMapResume, OutOfOrderResumesEachItemOnceAloneAndBehindAFilter) {
   Completer completer(3);
   for (const bool filtered : {false, true}) {

@@ -407,7 +407,8 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
 
   std::string name() const override {
     return base_name_ + "(max_in_flight=" + std::to_string(options_.max_in_flight) +
-           (options_.in_order ? "" : ", in_order=false") + ")";
+           (options_.in_order ? "" : ", in_order=false") + (options_.on_error == OnError::skip ? ", on_error=skip" : "") +
+           ")";
   }
 
   F& fn() noexcept { return fn_; }

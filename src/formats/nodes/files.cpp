@@ -86,7 +86,9 @@ class ReadFiles final : public Stage<std::string, FileBytes> {
       }
     }
   }
-  std::string name() const override { return "read_files"; }
+  std::string name() const override {
+    return options_.on_error == OnError::skip ? "read_files(on_error=skip)" : "read_files";
+  }
   // One file a path, unread (a file that failed was an output too). A
   // skipped file is no output: those are read to be counted out.
   uint64_t skip(uint64_t count, bool clean) override {
@@ -139,7 +141,7 @@ class DecodeImage final : public Stage<std::vector<uint8_t>, Array<uint8_t>> {
       }
     }
   }
-  std::string name() const override { return "decode_image"; }
+  std::string name() const override { return on_error_ == OnError::skip ? "decode_image(on_error=skip)" : "decode_image"; }
   // One image an item; a skipped one is no output: those are decoded to be counted out.
   uint64_t skip(uint64_t count, bool clean) override {
     if (!clean || on_error_ == OnError::skip) return Stage::skip(count, clean);

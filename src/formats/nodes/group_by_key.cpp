@@ -168,7 +168,9 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
       }
     }
   }
-  std::string name() const override { return "group_by_key"; }
+  std::string name() const override {
+    return options_.on_error == OnError::skip ? "group_by_key(on_error=skip)" : "group_by_key";
+  }
 
  protected:
   void start_pass() override {

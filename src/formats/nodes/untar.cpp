@@ -74,7 +74,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       }
     }
   }
-  std::string name() const override { return "untar"; }
+  std::string name() const override { return options_.on_error == OnError::skip ? "untar(on_error=skip)" : "untar"; }
 
  protected:
   void start_pass() override {

@@ -216,6 +216,10 @@ class UringReader final : public FileReader {
       return nullptr;
     }
     reader->ring_ready_ = true;
+    // queued_ holds at most a submission queue's worth: reserved now, a
+    // push never allocates (nor throws) with an entry already pointing at
+    // its request.
+    reader->queued_.reserve(*reader->ring_.sq.kring_entries);
     reader->thread_ = std::thread([raw = reader.get()] { raw->loop(); });
     return reader;
   }

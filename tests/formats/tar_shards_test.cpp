@@ -1539,8 +1539,6 @@ TEST(FileNodes, DecodeImageRaisesOrSkipsAnImageThatDoesNotDecodeAndResumesEither
   }
 }
 
-// A URL given where no opener reads URLs fails as a missing file would,
-// and its error says what to add, for untar and for the shard dataset.
 // A bad option is refused where the node is made, naming the value, not as
 // every item's error in the pass.
 TEST(FileNodes, BadOptionsAreRefusedWhenTheNodeIsMade) {
@@ -1579,6 +1577,8 @@ TEST(FileNodes, AnErrorPolicyIsInTheFingerprint) {
   EXPECT_NO_THROW(images(raise).load_state(images(raise).state()));
 }
 
+// A URL given where no opener reads URLs fails as a missing file would,
+// and its error says what to add, for untar and for the shard dataset.
 TEST(TarNodes, AURLWithNoOpenerSaysWhichOpenerReadsIt) {
   const std::string url = "http://127.0.0.1:9/shard-000000.tar";
   auto untarred = nodes::from_vector(std::vector<std::string>{url}) | nodes::untar();

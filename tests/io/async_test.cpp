@@ -631,10 +631,6 @@ TEST(AsyncMapStress, AParkedNodeIsWokenByTheDeliveryItWaitsFor) {
 
 namespace {
 
-// A pass of an async_map that hands items out as they complete, stopped,
-// saved and resumed in a new pipeline: what the two passes hand out together
-// is each item once, alone and behind a filter (which replays by pulling:
-// the resumed map hands the saved order out again).
 // How many requests are in flight does not change what an async_map hands
 // out: a state loads whatever max_in_flight is. Its order and its error
 // policy do: a state of one is refused by the other, before a resumed pass
@@ -655,6 +651,10 @@ TEST(AsyncMapResume, RequestsInFlightAreNotInTheFingerprintOrderAndErrorPolicyAr
   EXPECT_EQ(skipping.metrics().back().name, "async_map(max_in_flight=4, on_error=skip)");
 }
 
+// A pass of an async_map that hands items out as they complete, stopped,
+// saved and resumed in a new pipeline: what the two passes hand out together
+// is each item once, alone and behind a filter (which replays by pulling:
+// the resumed map hands the saved order out again).
 TEST(AsyncMapResume, OutOfOrderResumesEachItemOnceAloneAndBehindAFilter) {
   Completer completer(3);
   for (const bool filtered : {false, true}) {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <ranges>
 #include <set>
 #include <span>
 #include <stdexcept>
@@ -626,13 +627,14 @@ struct DrawingDataset final : conveyor::Dataset<double> {
   size_t size() const override { return 12; }
   double get(size_t) override { return draw(); }
 };
-// An iterable dataset whose next() draws; its shards' seeds, as iter() saw them.
+// An iterable dataset whose iter() draws (a shuffle's seed would) and
+// whose next() draws; its shards' seeds, as iter() saw them.
 struct DrawingStream final : conveyor::IterableDataset<double> {
   std::unique_ptr<conveyor::SampleIterator<double>> iter(const conveyor::WorkerInfo* worker) override {
     seeds.push_back(worker ? worker->seed : 0);
-    return conveyor::make_sample_iterator<double>([left = 12]() mutable -> std::optional<double> {
+    return conveyor::make_sample_iterator<double>([left = 12, start = draw()]() mutable -> std::optional<double> {
       if (left-- == 0) return std::nullopt;
-      return draw();
+      return start + draw();
     });
   }
   std::optional<size_t> size() const override { return 12; }
@@ -653,6 +655,12 @@ TEST(Randomness, EveryNodesUserCodeDrawsFromTheItemsSeed) {
        }},
       {"flat_map",
        [] { return nodes::from_range(0, 10) | nodes::flat_map([](int64_t) { return std::vector<double>{draw(), draw()}; }); }},
+      {"flat_map, a lazy range",  // draws as it is read, after f returned
+       [] {
+         return nodes::from_range(0, 10) | nodes::flat_map([](int64_t) {
+                  return std::views::iota(0, 2) | std::views::transform([](int) { return draw(); });
+                });
+       }},
       {"collate",
        [] { return nodes::from_range(0, 20) | nodes::batch(4) | nodes::collate([](std::vector<int64_t>) { return draw(); }); }},
       {"from_map_dataset", [] { return nodes::from_map_dataset(std::make_shared<DrawingDataset>()); }},

@@ -68,6 +68,39 @@ TEST(ToDevice, ItemsArriveInOrderCopiedFromThePinnedPoolWhichStaysBounded) {
   }
 }
 
+// A pass resumed behind to_device hands out the rest of the saved pass
+// without making or copying the batches it passes over.
+TEST(ToDevice, AResumedPassNeitherMakesNorCopiesWhatItPassesOver) {
+  auto device = test_device();
+  int collated = 0;
+  const auto make = [&] {
+    return nodes::from_range(0, kBatch * kBatches) | nodes::batch(kBatch) |
+           nodes::collate([&collated](std::vector<int64_t> batch) {
+             ++collated;
+             return conveyor::default_collate(std::move(batch));
+           }) |
+           nodes::to_device(device, 2);
+  };
+  auto saved = make();
+  conveyor::State state;
+  {
+    auto pass = saved.pass();
+    for (int k = 0; k < 10; ++k) ASSERT_TRUE(pass.next());
+    state = saved.state();
+  }
+  auto resumed = make();
+  resumed.load_state(state);
+  collated = 0;
+  int64_t expected = 10;
+  for (auto& item : resumed.pass()) {
+    expect_copied(item);
+    EXPECT_EQ(item.host[0], expected * kBatch);
+    ++expected;
+  }
+  EXPECT_EQ(expected, kBatches);
+  EXPECT_EQ(collated, kBatches - 10) << "the 10 batches received before the state were made again";
+}
+
 // try_next() through pin_memory and to_device: behind an upstream that is
 // "not yet" at random (a stand-in async node), each batch arrives once, in
 // order, copied; the stage queues copies ahead without waiting.

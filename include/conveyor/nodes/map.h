@@ -111,21 +111,28 @@ class FlatMap final
 
   std::optional<Out> produce() override {
     while (true) {
-      if (current_ && it_ != std::ranges::end(*current_)) {
-        Out out = std::move(*it_);
-        ++it_;
-        return out;
+      if (current_) {
+        // A lazy range draws as it is read: from its item's generator too,
+        // going on where f left it.
+        const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
+        if (it_ != std::ranges::end(*current_)) {
+          Out out = std::move(*it_);
+          ++it_;
+          return out;
+        }
       }
       current_.reset();
       std::optional<In> item = this->pull();
       if (!item) return std::nullopt;
-      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
+      generator_.emplace(Generator::for_item(item_seed(this->pass_, this->id_, this->position())));
+      const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
       try {
         current_.emplace(f_(std::move(*item)));
+        it_ = std::ranges::begin(*current_);
       } catch (...) {
+        current_.reset();
         conveyor::detail::throw_node_error(name(), this->position());
       }
-      it_ = std::ranges::begin(*current_);
     }
   }
   std::string name() const override { return "flat_map"; }
@@ -137,6 +144,7 @@ class FlatMap final
   F f_;
   std::optional<Range> current_;
   std::ranges::iterator_t<Range> it_{};
+  std::optional<Generator> generator_;  // current_'s item's
 };
 
 template <class F>

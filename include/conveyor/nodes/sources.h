@@ -16,6 +16,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -428,14 +429,9 @@ class IterableSource final : public Source<sample_t<D>> {
   }
   std::optional<T> produce() override {
     try {
-      if (!opened_) {
-        opened_ = true;  // an iter() that throws ends the stream (PyTorch's rule)
-        stream_ = dataset_->iter(&info_);
-      }
+      open();
       if (!stream_) return std::nullopt;
-      // The item's draws come from its own seed, from its place among every
-      // shard's items taken in turn: a resumed pass draws what it drew.
-      conveyor::detail::WorkerScope scope(&info_, item_seed(pass_, this->id_, position_ * stride_.step + stride_.first));
+      const conveyor::detail::WorkerScope scope(nullptr, item_seed_now());
       std::optional<T> item = stream_->next();
       if (item) ++position_;
       return item;
@@ -445,20 +441,36 @@ class IterableSource final : public Source<sample_t<D>> {
   }
   std::string name() const override { return "from_iterable"; }
   // Through the stream's own skip() (SampleIterator::skip), when none of
-  // the samples passed over failed.
+  // the samples passed over failed: one item at a time, each under its
+  // seed, so that a skip that reads and draws draws what the pass drew.
   uint64_t skip(uint64_t count, bool clean) override {
     if (!clean) return Source<T>::skip(count, clean);
-    if (!opened_) {
-      opened_ = true;
-      stream_ = dataset_->iter(&info_);
-    }
+    open();
     if (!stream_) return 0;
-    const uint64_t skipped = stream_->skip(count);
-    position_ += skipped;
+    uint64_t skipped = 0;
+    for (; skipped < count; ++skipped, ++position_) {
+      const conveyor::detail::WorkerScope scope(nullptr, item_seed_now());
+      if (stream_->skip(1) == 0) break;
+    }
     return skipped;
   }
 
  private:
+  // iter() once a pass, its draws (a shuffle's seed) from a seed of their
+  // own: not the process generator's, so pipeline.seed() and a resume in a
+  // new process give the same stream. An iter() that throws ends the
+  // stream (PyTorch's rule).
+  void open() {
+    if (opened_) return;
+    opened_ = true;
+    const conveyor::detail::WorkerScope scope(
+        nullptr, item_seed(pass_, this->id_, std::numeric_limits<uint64_t>::max() - stride_.first));
+    stream_ = dataset_->iter(&info_);
+  }
+  // The next item's seed: from its place among every shard's items taken
+  // in turn, so no two shards' items share one.
+  uint64_t item_seed_now() const { return item_seed(pass_, this->id_, position_ * stride_.step + stride_.first); }
+
   std::shared_ptr<D> dataset_;
   PassContext pass_;
   detail::Stride stride_;

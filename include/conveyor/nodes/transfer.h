@@ -97,6 +97,13 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
     }
   }
   std::string name() const override { return "to_device(" + std::to_string(depth_) + ")"; }
+  // One copy an item: a resumed pass passes over upstream's items uncopied
+  // (and unmade, where upstream can skip them too). Called at the pass's
+  // start, before the stage holds anything.
+  uint64_t skip(uint64_t count, bool clean) override {
+    if (!clean) return Stage<T, OnDevice<T>>::skip(count, clean);
+    return this->skip_upstream(count, clean);
+  }
   // Not waiting: upstream's try_next() feeds the transfer stage.
   Poll try_next(std::optional<OnDevice<T>>& out) override {
     std::optional<T> host;

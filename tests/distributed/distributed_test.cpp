@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -399,6 +400,25 @@ std::string find_on_path(const std::string& name) {
   return "";
 }
 
+// torchrun 1.13's agent picks its workers' MASTER_PORT by binding port 0
+// and closing it; rank 0 binds it later, and any process on the machine may
+// take it in between (torch 2.5 closed that window by having the agent hold
+// the store, pytorch/pytorch#135957). That race is the launcher's, not
+// conveyor's: when rank 0 says the port was taken, and only then, launch
+// again, at most three times in all.
+LaunchResult launch_torchrun(const std::function<LaunchResult()>& launch_once) {
+  for (int attempt = 1;; ++attempt) {
+    LaunchResult result = launch_once();
+    const std::string out = all_output(result);
+    const bool port_taken = out.find("could not serve the store") != std::string::npos &&
+                            out.find("Address already in use") != std::string::npos;
+    if (!port_taken || attempt == 3) return result;
+    std::printf("attempt %d: the port torchrun picked for its workers was taken before rank 0 "
+                "bound it; launching again\n",
+                attempt);
+  }
+}
+
 TEST(Distributed, TorchrunLaunchesTwoRanks) {
   const std::string torchrun = find_on_path("torchrun");
   if (torchrun.empty()) GTEST_SKIP() << "torchrun is not on the PATH (Debian: python3-torch)";
@@ -408,12 +428,14 @@ TEST(Distributed, TorchrunLaunchesTwoRanks) {
   // workers' stdout goes to log files and is teed back (1 = stdout).
   char log_dir[] = "/tmp/conveyor-torchrun-XXXXXX";
   ASSERT_NE(::mkdtemp(log_dir), nullptr);
-  LaunchResult result = conveyor::test::run_all(
-      {{{torchrun, "--standalone", "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
-         "--log_dir", log_dir, "--no_python", kRank, "agree", "--seed", "42", "--data", "103",
-         "--batch", "4"},
-        {}}},
-      milliseconds(120000));
+  LaunchResult result = launch_torchrun([&] {
+    return conveyor::test::run_all(
+        {{{torchrun, "--standalone", "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
+           "--log_dir", log_dir, "--no_python", kRank, "agree", "--seed", "42", "--data", "103",
+           "--batch", "4"},
+          {}}},
+        milliseconds(120000));
+  });
   std::filesystem::remove_all(log_dir);
   ASSERT_FALSE(result.ranks[0].killed_at_deadline) << result.describe();
   ASSERT_EQ(result.ranks[0].exit_code, 0) << result.describe();
@@ -466,7 +488,8 @@ TEST(Distributed, TwoTorchrunNodesOnOneMachine) {
                                          "103", "--batch", "4"};
   std::vector<std::string> outputs;
   for (int run = 0; run < 2; ++run) {
-    const LaunchResult result = launch_two_torchrun_nodes(torchrun, kPerNode, args, milliseconds(120000));
+    const LaunchResult result = launch_torchrun(
+        [&] { return launch_two_torchrun_nodes(torchrun, kPerNode, args, milliseconds(120000)); });
     for (const auto& agent : result.ranks) {
       ASSERT_FALSE(agent.killed_at_deadline) << result.describe();
       ASSERT_EQ(agent.exit_code, 0) << result.describe();

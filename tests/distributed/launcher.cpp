@@ -17,6 +17,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
+#include <utility>
 #include <sstream>
 #include <stdexcept>
 
@@ -88,7 +90,49 @@ void reap_orphans() {
 
 }  // namespace
 
+namespace {
+
+// Whether a plain bind (no SO_REUSEADDR, as a rank's would be) takes `port`.
+bool bindable(uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) fail("socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(port);
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+  ::close(fd);
+  return bound;
+}
+
+// The kernel's ephemeral range: where bind(0) and connect() take ports.
+std::pair<unsigned, unsigned> ephemeral_ports() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  unsigned low = 32768, high = 60999;
+  in >> low >> high;
+  return {low, high};
+}
+
+}  // namespace
+
 uint16_t free_port() {
+  // A port below the ephemeral range: between this check and the rank's
+  // bind, no other process's bind(0) or outgoing connection can take it, as
+  // it could take one bind(0) handed out here (Gloo's listeners and the
+  // clients of tests running beside this one do both). Tests picking at the
+  // same time start at random places, so they rarely meet, and the bind
+  // check passes over a port one of them already holds.
+  constexpr unsigned kFirst = 10000;
+  const unsigned below = ephemeral_ports().first;
+  if (below > kFirst + 1000) {
+    std::random_device entropy;
+    const unsigned span = below - kFirst;
+    const unsigned start = entropy() % span;
+    for (unsigned i = 0; i < span; ++i) {
+      const auto port = static_cast<uint16_t>(kFirst + (start + i) % span);
+      if (bindable(port)) return port;
+    }
+  }
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) fail("socket");
   sockaddr_in address{};

@@ -26,7 +26,8 @@ struct LaunchResult {
   std::string describe() const;  // every rank's status and output, for failures
 };
 
-// A TCP port nothing listens on right now (bound to port 0, then closed).
+// A loopback TCP port nothing holds right now, below the ephemeral range
+// where one can (see launcher.cpp).
 uint16_t free_port();
 
 // Runs `argv` as one process, environment = ours minus the launchers'

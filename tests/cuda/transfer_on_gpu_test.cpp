@@ -495,4 +495,44 @@ TEST(GpuToDevice, PassesLeftMidCopyLeaveNothingBehind) {
   EXPECT_EQ(device->live_device.load(), 0);
 }
 
+// A pass saved with copies in flight and resumed on a fresh pipeline: the
+// batches after the state arrive on the device intact, in order, and only
+// they are copied.
+TEST(GpuToDevice, AResumedPassCopiesOnlyTheBatchesAfterTheState) {
+  REQUIRE_CUDA_DEVICE();
+  const int64_t width = 32 * 1024;  // 2 MiB batches
+  const int64_t batches = 24, taken = 7;
+  auto make = [width](std::shared_ptr<TestDevice> device) {
+    return nodes::from_range(0, kBatch * batches) |
+           nodes::map([width](int64_t i) { return wide_sample(i, width); }, {.workers = 2}) |
+           nodes::batch(kBatch) | nodes::collate() | nodes::pin_memory(device) | nodes::to_device(device, 3);
+  };
+  ConsumerStream consumer;
+  auto first_device = std::make_shared<TestDevice>(conveyor::cuda::make_device(0));
+  auto resumed_device = std::make_shared<TestDevice>(conveyor::cuda::make_device(0));
+  conveyor::State state;
+  {
+    auto saved = make(first_device);
+    auto pass = saved.pass();
+    for (int64_t k = 0; k < taken; ++k) ASSERT_TRUE(pass.next());
+    state = saved.state();
+  }
+  {
+    auto resumed = make(resumed_device);
+    resumed.load_state(state);
+    int64_t expected = taken;
+    for (auto& item : resumed.pass()) {
+      EXPECT_EQ(sample_of_row(item.host, 0), expected * kBatch);
+      ASSERT_TRUE(consumer.all_match(item.device)) << "batch " << expected;
+      ++expected;
+    }
+    EXPECT_EQ(expected, batches);
+    EXPECT_EQ(resumed_device->copies.load(), batches - taken) << "batches passed over were copied";
+  }
+  for (const auto& device : {first_device, resumed_device}) {
+    EXPECT_EQ(device->live_pinned.load(), 0);
+    EXPECT_EQ(device->live_device.load(), 0);
+  }
+}
+
 }  // namespace

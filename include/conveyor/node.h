@@ -149,8 +149,12 @@ std::shared_ptr<Executor> walk_executor(ResetWalk& walk);
 }  // namespace detail
 
 // The seed of item `position` of node `node_id` in a pass: independent of
-// how many threads produce the items.
-uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position) noexcept;
+// how many threads produce the items. `past_shard`: the node is downstream
+// of the one that applied pass.shard, so its positions count its shard's
+// items alone; the shard's index is folded in, or item k of every shard
+// would draw alike (the same crop on every rank). Upstream of that point
+// every shard sees the same stream and must draw the same.
+uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position, bool past_shard = false) noexcept;
 
 // An exception from user code inside a node (a map function, a filter
 // predicate, a collate function, a source), with where it happened. The

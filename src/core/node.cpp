@@ -30,10 +30,15 @@ std::shared_ptr<detail::Executor> detail::walk_executor(ResetWalk& walk) {
   return walk.executor;
 }
 
-uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position) noexcept {
-  // The work-stealing batch seed's mix, with the node folded into the base.
-  return detail::work_stealing_seed(static_cast<int64_t>(pass.seed ^ (node_id * 0x9e3779b97f4a7c15ULL)),
-                                    pass.epoch, position);
+uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position, bool past_shard) noexcept {
+  // The work-stealing batch seed's mix, with the node (and past the shard
+  // point, the shard) folded into the base. One shard: no fold, so a pass
+  // draws as it did before shards were counted.
+  uint64_t base = pass.seed ^ (node_id * 0x9e3779b97f4a7c15ULL);
+  if (past_shard && pass.shard.count() > 1) {
+    base ^= (static_cast<uint64_t>(pass.shard.index()) + 1) * 0xbf58476d1ce4e5b9ULL;
+  }
+  return detail::work_stealing_seed(static_cast<int64_t>(base), pass.epoch, position);
 }
 
 std::string metrics_table(const std::vector<NodeMetrics>& nodes) {

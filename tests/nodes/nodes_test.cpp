@@ -693,6 +693,113 @@ TEST(Randomness, EveryNodesUserCodeDrawsFromTheItemsSeed) {
   EXPECT_NE(shards[0], shards[1]);
 }
 
+// A source that runs whole on every shard, as list_files does: shard()
+// downstream of it is where the pass's shard applies.
+class WholeRange final : public nodes::Source<int64_t> {
+ public:
+  explicit WholeRange(int64_t n) : n_(n) {}
+  using conveyor::Node<int64_t>::reset;
+  void reset(const conveyor::PassContext& pass, conveyor::detail::ResetWalk& walk) override {
+    next_ = 0;
+    this->start_metering(pass, walk.next_id++);
+  }
+  std::string name() const override { return "whole_range"; }
+
+ private:
+  std::optional<int64_t> produce() override {
+    if (next_ >= n_) return std::nullopt;
+    return next_++;
+  }
+  int64_t n_, next_ = 0;
+};
+Pipeline<int64_t> whole_range(int64_t n) { return Pipeline<int64_t>(std::make_unique<WholeRange>(n)); }
+
+// Past the shard point a node counts its own shard's items, so item k of
+// every shard would share a seed: the same crop on every rank. Those nodes
+// fold the shard's index into their seeds. Upstream of it every shard sees
+// the same stream and draws the same, or the shards would overlap.
+TEST(Randomness, NodesPastTheShardPointDrawApartOnEachShardAndAlikeBeforeIt) {
+  constexpr int64_t kShards = 2;
+  const auto on_each_shard = [](const auto& make) {
+    using Items = decltype(one_pass(std::declval<decltype(make())&>()));
+    std::vector<Items> out;
+    for (int64_t rank = 0; rank < kShards; ++rank) {
+      auto pipeline = make();
+      pipeline.seed(9);
+      pipeline.shard(ShardSpec{rank, kShards, 0, 1});
+      out.push_back(one_pass(pipeline));
+    }
+    return out;
+  };
+  const auto no_place_alike = [](const std::vector<double>& a, const std::vector<double>& b) {
+    if (a.size() != b.size() || a.empty()) return false;
+    for (size_t k = 0; k < a.size(); ++k) {
+      if (a[k] == b[k]) return false;
+    }
+    return true;
+  };
+  const auto drawn = [](int64_t) { return draw(); };
+
+  // map, serial and parallel, and collate after shard(): apart.
+  const auto serial = on_each_shard([&] { return nodes::from_range(0, 40) | nodes::shard() | nodes::map(drawn); });
+  EXPECT_TRUE(no_place_alike(serial[0], serial[1]));
+  const auto after_shard = on_each_shard([&] { return whole_range(40) | nodes::shard() | nodes::map(drawn); });
+  EXPECT_TRUE(no_place_alike(after_shard[0], after_shard[1])) << "shard() is the shard point";
+  const auto parallel = on_each_shard(
+      [&] { return nodes::from_range(0, 40) | nodes::shard() | nodes::map(drawn, {.workers = 2}); });
+  EXPECT_EQ(parallel, serial) << "a parallel map draws as a serial one";
+  const auto collated = on_each_shard([] {
+    return nodes::from_range(0, 40) | nodes::shard() | nodes::batch(4) |
+           nodes::collate([](std::vector<int64_t>) { return draw(); });
+  });
+  EXPECT_TRUE(no_place_alike(collated[0], collated[1]));
+
+  // A shuffle after shard(): each shard's order is its own, not one pattern
+  // over two halves.
+  const auto shuffled = on_each_shard([] { return nodes::from_range(0, 40) | nodes::shard() | nodes::shuffle(20); });
+  std::vector<std::vector<int64_t>> places(kShards);
+  for (int64_t rank = 0; rank < kShards; ++rank) {
+    ASSERT_EQ(shuffled[rank].size(), 20u);
+    for (const int64_t x : shuffled[rank]) places[rank].push_back(x / kShards);
+  }
+  EXPECT_NE(places[0], places[1]);
+
+  // weighted_mux over sharded sources: its picks differ by shard.
+  const auto picks = on_each_shard([] {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 1000) | nodes::shard());
+    sources.push_back(nodes::from_range(100000, 101000) | nodes::shard());
+    return nodes::weighted_mux(std::move(sources), {1.0, 1.0}) |
+           nodes::map([](int64_t x) { return x < 100000; }) | nodes::take(64);
+  });
+  EXPECT_NE(picks[0], picks[1]);
+
+  // Before shard(): the same draws on every shard, so the shards split one
+  // stream. A shuffle there too: the shards are disjoint and cover it.
+  auto whole = whole_range(40) | nodes::map([](int64_t x) { return x + draw(); });
+  whole.seed(9);
+  std::vector<double> expected = one_pass(whole);
+  const auto split =
+      on_each_shard([] { return whole_range(40) | nodes::map([](int64_t x) { return x + draw(); }) | nodes::shard(); });
+  std::vector<double> joined = split[0];
+  joined.insert(joined.end(), split[1].begin(), split[1].end());
+  std::sort(joined.begin(), joined.end());
+  EXPECT_EQ(joined, expected);
+  const auto dealt = on_each_shard([] { return whole_range(40) | nodes::shuffle(40) | nodes::shard(); });
+  std::vector<int64_t> dealt_all = dealt[0];
+  dealt_all.insert(dealt_all.end(), dealt[1].begin(), dealt[1].end());
+  std::sort(dealt_all.begin(), dealt_all.end());
+  EXPECT_EQ(dealt_all, iota(40));
+
+  // One shard: nothing folded, the draws of an unsharded pass.
+  auto one = nodes::from_range(0, 40) | nodes::map(drawn);
+  one.seed(9);
+  one.shard(ShardSpec{0, 1, 0, 1});
+  auto unsharded = nodes::from_range(0, 40) | nodes::map(drawn);
+  unsharded.seed(9);
+  EXPECT_EQ(one_pass(one), one_pass(unsharded));
+}
+
 TEST(Repetition, TakeRepeatAndCache) {
   auto taken = nodes::from_range(0, 100) | nodes::take(3);
   EXPECT_EQ(one_pass(taken), iota(3));

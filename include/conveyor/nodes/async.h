@@ -554,7 +554,7 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
     w.slot(index).word.store(ticket << 2 | Window::kRunning, std::memory_order_release);
     Completion<Out> completion(window_, index, ticket);
     auto call = [&] {
-      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, position));
+      const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(position));
       try {
         fn_(std::move(item), std::move(completion));
       } catch (...) {

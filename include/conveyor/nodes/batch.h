@@ -87,7 +87,7 @@ class Collate final : public Stage<Items, std::remove_cvref_t<std::invoke_result
     std::optional<conveyor::detail::AllocatorScope> memory;
     if (this->pass_.batch_memory) memory.emplace(this->pass_.batch_memory);
     // A collate that draws (a mixup) draws from the batch's own seed.
-    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
+    const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(this->position()));
     try {
       return fn_(std::move(*items));
     } catch (...) {

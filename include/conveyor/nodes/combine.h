@@ -141,6 +141,7 @@ class Merge : public MeteredNode<T> {
                                       [&](size_t i) { sources_[i]->reset(pass, walk); });
     this->start_metering(pass, walk.next_id++);
     pass_ = pass;
+    past_shard_ = walk.sharded;
     active_.assign(sources_.size(), true);
     active_count_ = sources_.size();
     cursor_ = 0;
@@ -174,6 +175,7 @@ class Merge : public MeteredNode<T> {
   size_t cursor_ = 0;
   uint64_t produced_ = 0;
   PassContext pass_;
+  bool past_shard_ = false;  // the sources took the pass's shard: picks count one shard's items
 };
 
 template <class T>
@@ -258,7 +260,7 @@ class WeightedMux final : public Merge<T> {
   // Each pick draws from the item's own seed: the sequence of picks is the
   // same for the same pass.
   size_t pick() {
-    Generator generator = Generator::for_item(item_seed(this->pass_, this->id_, this->produced_++));
+    Generator generator = Generator::for_item(item_seed(this->pass_, this->id_, this->produced_++, this->past_shard_));
     double total = 0;
     for (size_t i = 0; i < weights_.size(); ++i) total += this->active_[i] ? weights_[i] : 0;
     double u = uniform(generator) * total;

@@ -37,7 +37,7 @@ class Map final : public Stage<In, std::remove_cvref_t<std::invoke_result_t<F&, 
     while (std::optional<In> item = this->pull()) {
       // Draws inside f come from the item's own generator, seeded from its
       // position: the same however the pipeline runs.
-      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
+      const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(this->position()));
       try {
         return f_(std::move(*item));
       } catch (...) {
@@ -76,7 +76,7 @@ class Filter final : public Stage<T, T> {
   std::optional<T> produce() override {
     while (std::optional<T> item = this->pull()) {
       bool keep = false;
-      conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, this->position()));
+      const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(this->position()));
       try {
         keep = predicate_(static_cast<const T&>(*item));
       } catch (...) {
@@ -124,7 +124,7 @@ class FlatMap final
       current_.reset();
       std::optional<In> item = this->pull();
       if (!item) return std::nullopt;
-      generator_.emplace(Generator::for_item(item_seed(this->pass_, this->id_, this->position())));
+      generator_.emplace(Generator::for_item(this->seed_of(this->position())));
       const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
       try {
         current_.emplace(f_(std::move(*item)));

@@ -301,7 +301,7 @@ class ParallelMap final
                                        [this] { return this->position(); });
     order_.handed_out(wanted);
     if (pending.error) std::rethrow_exception(pending.error);  // upstream's, named there
-    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, pending.position));
+    const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(pending.position));
     try {
       out.emplace(std::as_const(f_)(std::move(*pending.item)));
       return true;
@@ -338,7 +338,7 @@ class ParallelMap final
   // ---- on the engine's workers ----
   void run(conveyor::detail::Job&, std::optional<In>& input, detail::Result<Out>& out, int,
            const std::exception_ptr&) noexcept override {
-    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, out.position));
+    const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(out.position));
     conveyor::detail::AllocatorScope memory(item_memory_.get());
     auto apply = [&] {
       try {

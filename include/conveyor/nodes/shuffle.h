@@ -97,7 +97,7 @@ class Shuffle final : public Stage<T, T> {
     buffer_.clear();
     upstream_done_ = false;
     replay_.reset();
-    generator_ = Generator(item_seed(this->pass_, this->id_, 0));
+    generator_ = Generator(this->seed_of(0));
   }
 
  private:

@@ -336,7 +336,7 @@ class MapDatasetSource final
     }
     // get()'s draws (an augmentation) come from the draw's own seed: its
     // place in the sampler's pass, unique across shards.
-    conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, k));
+    const conveyor::detail::WorkerScope scope(nullptr, item_seed(this->pass_, this->id_, k));
     try {
       if constexpr (kBatches) {
         return dataset_->get_batch(std::span<const size_t>(index));

@@ -223,6 +223,7 @@ class Stage : public MeteredNode<Out> {
     upstream_->reset(pass, walk);
     this->start_metering(pass, walk.next_id++);
     pass_ = pass;
+    past_shard_ = walk.sharded;
     position_ = 0;
     start_pass();
   }
@@ -272,10 +273,13 @@ class Stage : public MeteredNode<Out> {
   }
   // The position of the item pull() returned last.
   uint64_t position() const noexcept { return position_ - 1; }
+  // The seed of this node's item `position` in this pass (item_seed).
+  uint64_t seed_of(uint64_t position) const noexcept { return item_seed(pass_, this->id_, position, past_shard_); }
 
   NodePtr<In> upstream_;
   PassContext pass_;
-  uint64_t position_ = 0;  // items pulled this pass
+  bool past_shard_ = false;  // upstream applied the pass's shard: positions count one shard's items
+  uint64_t position_ = 0;    // items pulled this pass
 };
 
 }  // namespace conveyor::nodes

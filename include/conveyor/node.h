@@ -286,6 +286,9 @@ class Pipeline {
       throw StateError("this pipeline resumes pass " + std::to_string(resume_->epoch) +
                        " (load_state), but set_epoch(" + std::to_string(epoch_) + ") asked for another");
     }
+    // seed() and shard() may come after load_state (restore, then join the
+    // job): the pass checks them against the state again.
+    if (resume_) check_state_envelope(resume_->saved, "conveyor.Pipeline", fingerprint(), "pass after load_state");
     const PassContext context{epoch_++, seed_, shard_, timed_};
     auto progress = std::make_shared<PassProgress>();
     progress->epoch = context.epoch;
@@ -339,6 +342,7 @@ class Pipeline {
   void load_state(const State& state) {
     check_state_envelope(state, "conveyor.Pipeline", fingerprint(), "load_state");
     Resume resume;
+    resume.saved = state_envelope("conveyor.Pipeline", state.at("fingerprint"));
     resume.epoch = state.uint_at("epoch");
     resume.received = state.uint_at("received");
     resume.errors = state.uint_at("errors");
@@ -359,6 +363,7 @@ class Pipeline {
     bool live = true;  // its Pass exists
   };
   struct Resume {
+    State saved;  // the state's envelope and fingerprint, for pass()
     uint64_t epoch = 0;
     uint64_t received = 0;
     uint64_t errors = 0;

@@ -31,6 +31,7 @@ namespace nodes = conveyor::nodes;
 using conveyor::Pipeline;
 using conveyor::State;
 using conveyor::StateError;
+using conveyor::testing::one_pass;
 using conveyor::testing::property_graphs;
 using conveyor::testing::property_rng;
 using conveyor::testing::random_pipeline;
@@ -278,6 +279,46 @@ TEST(PipelineResume, AMismatchNamesWhatDiffers) {
   resumed.load_state(state);
   resumed.set_epoch(3);
   EXPECT_THROW((void)resumed.pass(), StateError);
+}
+
+// Restore, then join the job: seed() and shard() after load_state() are
+// checked by the pass, which would otherwise skip the saved count of
+// another shard's items.
+TEST(PipelineResume, ASeedOrShardSetAfterLoadingIsCheckedByThePass) {
+  const auto make = [] { return nodes::from_range(0, 100) | nodes::shuffle(10); };
+  auto saver = make();
+  saver.seed(1);
+  State state;
+  {
+    auto pass = saver.pass();
+    for (int k = 0; k < 30; ++k) ASSERT_TRUE(pass.next());
+    state = saver.state();
+  }
+  const auto refused = [&](const std::function<void(Pipeline<int64_t>&)>& after_load, const std::string& field) {
+    auto resumed = make();
+    resumed.seed(1);
+    resumed.load_state(state);
+    after_load(resumed);
+    try {
+      (void)resumed.pass();
+      ADD_FAILURE() << field << " changed after load_state, and the pass resumed";
+    } catch (const StateError& error) {
+      const std::string what = error.what();
+      EXPECT_NE(what.find("pass after load_state: '" + field + "' does not match"), std::string::npos) << what;
+    }
+  };
+  refused([](Pipeline<int64_t>& p) { p.shard({.rank = 1, .world_size = 2}); }, "shard.rank");
+  refused([](Pipeline<int64_t>& p) { p.seed(2); }, "seed");
+
+  // Set again to what the state holds: the pass resumes.
+  auto resumed = make();
+  resumed.seed(1);
+  resumed.load_state(state);
+  resumed.seed(1).shard({});
+  auto whole = make();
+  whole.seed(1);
+  const std::vector<int64_t> expected = one_pass(whole);
+  EXPECT_EQ(one_pass(resumed), std::vector<int64_t>(expected.begin() + 30, expected.end()));
 }
 
 TEST(PipelineResume, AStateIsAFewCountsForAnOrderedGraph) {

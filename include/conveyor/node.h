@@ -130,6 +130,10 @@ class Executor;  // detail/engine.h
 struct ResetWalk {
   uint64_t next_id = 0;
   bool sharded = false;
+  // The first node upstream whose output order timing decides (a map out
+  // of order, join), by name; empty if none. A shard taken after it would
+  // split a different stream on each rank.
+  std::string ordered_by_timing;
   // The threads the graph's parallel nodes share (one arena per graph):
   // made when the first of them asks (walk_executor), held by each.
   std::shared_ptr<Executor> executor;

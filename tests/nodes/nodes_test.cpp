@@ -800,6 +800,63 @@ TEST(Randomness, NodesPastTheShardPointDrawApartOnEachShardAndAlikeBeforeIt) {
   EXPECT_EQ(one_pass(one), one_pass(unsharded));
 }
 
+// A shard taken after a node whose order timing decides (a map out of
+// order, join) would split another order on each rank: some items read
+// twice, others lost. The pass refuses it, naming the node.
+TEST(Sharding, AShardAfterATimingOrderedNodeIsRefused) {
+  const auto identity = [](int64_t x) { return x; };
+  const auto refused = [](auto pipeline, const std::string& names) {
+    pipeline.shard(ShardSpec{1, 2, 0, 1});
+    try {
+      (void)one_pass(pipeline);
+      ADD_FAILURE() << "a shard after " << names << " was taken";
+    } catch (const conveyor::ValueError& error) {
+      const std::string what = error.what();
+      EXPECT_NE(what.find("shard: the pass runs as shard 1 of 2, taken after " + names + ", which hands"),
+                std::string::npos)
+          << what;
+    }
+  };
+  refused(whole_range(40) | nodes::map(identity, {.workers = 2, .in_order = false}) | nodes::shard(),
+          "map(workers=2, in_order=false)");
+  refused(whole_range(40) | nodes::map(identity, {.workers = 1, .in_order = false}) | nodes::batch(4) |
+              nodes::shard(),
+          "map(workers=1, in_order=false)");
+  std::vector<Pipeline<int64_t>> joined;
+  joined.push_back(whole_range(10));
+  joined.push_back(whole_range(10));
+  refused(nodes::join(std::move(joined)) | nodes::shard(), "join");
+  // A cache replays the order its filling pass had; each fork consumer sees
+  // its upstream's order whichever consumer reset it.
+  auto cached =
+      whole_range(40) | nodes::map(identity, {.workers = 2, .in_order = false}) | nodes::cache() | nodes::shard();
+  refused(std::move(cached), "map(workers=2, in_order=false)");
+  auto outputs = nodes::fork(whole_range(40) | nodes::map(identity, {.workers = 2, .in_order = false}), 2, 8);
+  auto second = std::move(outputs[1]) | nodes::shard();
+  auto first = std::move(outputs[0]) | nodes::shard();
+  first.shard(ShardSpec{1, 2, 0, 1});
+  EXPECT_THROW((void)first.pass(), conveyor::ValueError);
+  refused(std::move(second), "map(workers=2, in_order=false)");
+
+  // Taken before such a node, or on another input than the one it is on,
+  // or with one shard: the pass runs.
+  auto before = whole_range(40) | nodes::shard() | nodes::map(identity, {.workers = 2, .in_order = false});
+  before.shard(ShardSpec{1, 2, 0, 1});
+  std::vector<int64_t> odd = one_pass(before);
+  std::sort(odd.begin(), odd.end());
+  EXPECT_EQ(odd.size(), 20u);
+  EXPECT_EQ(odd.front(), 1);
+  std::vector<Pipeline<int64_t>> inputs;
+  inputs.push_back(nodes::from_range(0, 10) | nodes::map(identity, {.workers = 2, .in_order = false}));
+  inputs.push_back(whole_range(10) | nodes::shard());
+  auto muxed = nodes::mux(std::move(inputs));
+  muxed.shard(ShardSpec{1, 2, 0, 1});
+  EXPECT_EQ(one_pass(muxed).size(), 10u);
+  auto alone = whole_range(40) | nodes::map(identity, {.workers = 2, .in_order = false}) | nodes::shard();
+  alone.shard(ShardSpec{0, 1, 0, 1});
+  EXPECT_EQ(one_pass(alone).size(), 40u);
+}
+
 TEST(Repetition, TakeRepeatAndCache) {
   auto taken = nodes::from_range(0, 100) | nodes::take(3);
   EXPECT_EQ(one_pass(taken), iota(3));

@@ -53,12 +53,18 @@ template <class ResetInput>
 void reset_inputs_sharded_each(const std::string& node, const PassContext& pass, conveyor::detail::ResetWalk& walk,
                                size_t inputs, ResetInput&& reset_input) {
   std::vector<size_t> sharded, whole;
+  // Each input's own: whether timing orders it (a shard() on one input
+  // asks about that input alone), then the first such, for downstream.
+  std::string ordered_by_timing = std::move(walk.ordered_by_timing);
   for (size_t i = 0; i < inputs; ++i) {
     walk.sharded = false;
+    walk.ordered_by_timing.clear();
     reset_input(i);
     (walk.sharded ? sharded : whole).push_back(i);
+    if (ordered_by_timing.empty()) ordered_by_timing = std::move(walk.ordered_by_timing);
   }
   walk.sharded = !sharded.empty();
+  walk.ordered_by_timing = std::move(ordered_by_timing);
   if (sharded.empty() || whole.empty() || pass.shard.count() == 1) return;
   const bool many_sharded = sharded.size() > 1, many_whole = whole.size() > 1;
   throw ValueError(node + ": input" + (many_sharded ? "s " : " ") + list_inputs(sharded) +
@@ -310,6 +316,7 @@ class Join final : public Merge<T> {
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Merge<T>::reset(pass, walk);
+    if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = name();
     log_.clear();
     replay_.clear();
     replay_at_ = 0;
@@ -481,6 +488,7 @@ class ForkState {
       upstream_->reset(pass, walk);
       upstream_ids_ = walk.next_id - first_id;
       sharded_ = walk.sharded;
+      ordered_by_timing_ = walk.ordered_by_timing;
       items_.clear();
       base_ = 0;
       std::fill(taken_.begin(), taken_.end(), 0);
@@ -488,6 +496,7 @@ class ForkState {
     } else {
       walk.next_id += upstream_ids_;
       walk.sharded = walk.sharded || sharded_;
+      if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     }
     passes_[consumer] = pass_;
   }
@@ -591,6 +600,7 @@ class ForkState {
   uint64_t pass_ = 0;
   uint64_t upstream_ids_ = 0;
   bool sharded_ = false;
+  std::string ordered_by_timing_;  // upstream's ResetWalk::ordered_by_timing
   bool ended_ = false;
   size_t buffer_limit_;
   // Around upstream and everything above, for consumers on several threads

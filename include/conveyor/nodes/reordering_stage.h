@@ -22,6 +22,7 @@ class ReorderingStage : public Stage<In, Out> {
   using Node<Out>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     Stage<In, Out>::reset(pass, walk);
+    if (!in_order_ && walk.ordered_by_timing.empty()) walk.ordered_by_timing = this->name();
     replay_inputs_.ahead.clear();
     order_.reset(conveyor::detail::restored_extras(walk, this->id_), /*replays=*/true);
   }

@@ -283,11 +283,13 @@ class Cache final : public MeteredNode<T> {
       // Upstream is not reset: downstream ids and sharding stay as they were.
       walk.next_id += upstream_ids_;
       walk.sharded = walk.sharded || sharded_upstream_;
+      if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_upstream_;
     } else {
       filling_.clear();
       upstream_->reset(pass, walk);
       upstream_ids_ = walk.next_id - first_upstream_id;
       sharded_upstream_ = walk.sharded;
+      ordered_upstream_ = walk.ordered_by_timing;
       filling_pass_ = pass;
     }
     complete_at_reset_ = complete_;
@@ -354,6 +356,7 @@ class Cache final : public MeteredNode<T> {
     }
     upstream_ids_ = fill_walk.next_id - walk.next_id;
     sharded_upstream_ = fill_walk.sharded;
+    ordered_upstream_ = fill_walk.ordered_by_timing;
     filling_pass_ = filling;
     complete_ = true;
   }
@@ -367,6 +370,7 @@ class Cache final : public MeteredNode<T> {
   size_t position_ = 0;
   uint64_t upstream_ids_ = 0;  // how many ids upstream takes
   bool sharded_upstream_ = false;
+  std::string ordered_upstream_;  // upstream's ResetWalk::ordered_by_timing
 };
 
 inline auto cache() {

@@ -29,6 +29,13 @@ class Shard final : public MeteredNode<T> {
       walk.sharded = true;
       index_ = static_cast<uint64_t>(pass.shard.index());
       count_ = static_cast<uint64_t>(pass.shard.count());
+      if (count_ > 1 && !walk.ordered_by_timing.empty()) {
+        throw ValueError("shard: the pass runs as shard " + std::to_string(index_) + " of " + std::to_string(count_) +
+                         ", taken after " + walk.ordered_by_timing +
+                         ", which hands items out in the order they finish: each rank would split another "
+                         "order, reading some items twice and losing others. Put shard() before it, or keep it "
+                         "in order");
+      }
     }
     position_ = 0;
   }

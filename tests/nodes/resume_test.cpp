@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -227,6 +228,56 @@ TEST(PipelineResume, ForkConsumersResumeFromTheirOwnPlaces) {
   }
   EXPECT_EQ(a_all, reference);
   EXPECT_EQ(b_all, reference);
+}
+
+// Each consumer's state holds its upstream's (here a RandomSampler's
+// permutation, drawn from the process generator): the consumers resume
+// alike in a new process whichever is asked for its pass first.
+TEST(PipelineResume, ForkConsumersResumeWhicheverIsResetFirst) {
+  auto make = [] { return nodes::fork(nodes::from_sampler(std::make_shared<conveyor::RandomSampler>(size_t{100})), 2, 8); };
+  for (const bool b_first : {false, true}) {
+    conveyor::manual_seed(21);
+    auto alone = nodes::from_sampler(std::make_shared<conveyor::RandomSampler>(size_t{100}));
+    Outcomes reference;
+    {
+      auto pass = alone.pass();
+      while (auto index = pass.next()) reference.push_back(std::to_string(*index));
+    }
+    conveyor::manual_seed(21);
+    std::string saved_a, saved_b;
+    Outcomes a_all, b_all;
+    {
+      auto outputs = make();
+      auto a = outputs[0].pass();
+      auto b = outputs[1].pass();
+      for (int i = 0; i < 30; ++i) {
+        if (auto index = a.next()) a_all.push_back(std::to_string(*index));
+        if (i < 25) {
+          if (auto index = b.next()) b_all.push_back(std::to_string(*index));
+        }
+      }
+      saved_a = outputs[0].state().to_json();
+      saved_b = outputs[1].state().to_json();
+    }
+    conveyor::manual_seed(999);  // a new process's generator
+    auto outputs = make();
+    outputs[0].load_state(State::from_json(saved_a));
+    outputs[1].load_state(State::from_json(saved_b));
+    using PassOf = decltype(outputs[0].pass());
+    std::optional<PassOf> a, b;
+    if (b_first) b.emplace(outputs[1].pass());
+    a.emplace(outputs[0].pass());
+    if (!b_first) b.emplace(outputs[1].pass());
+    while (true) {
+      auto from_a = a->next();
+      auto from_b = b->next();
+      if (from_a) a_all.push_back(std::to_string(*from_a));
+      if (from_b) b_all.push_back(std::to_string(*from_b));
+      if (!from_a && !from_b) break;
+    }
+    EXPECT_EQ(a_all, reference) << (b_first ? "b reset first" : "a reset first");
+    EXPECT_EQ(b_all, reference) << (b_first ? "b reset first" : "a reset first");
+  }
 }
 
 TEST(PipelineResume, ACacheFilledInAnEarlierPassIsFilledTheSameWayInANewProcess) {

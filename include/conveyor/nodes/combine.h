@@ -505,8 +505,12 @@ class ForkState {
   void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
     if (consumer == 0) upstream_->collect_metrics(out);
   }
-  void save_extras(size_t consumer, State& nodes, bool in_pass) const {
-    if (consumer == 0) upstream_->save_extras(nodes, in_pass);
+  // Every consumer's state holds upstream's: a resumed consumer resets
+  // upstream if it is the first into the pass, whichever that is. Under
+  // the mutex: upstream is advanced under it, maybe on another thread.
+  void save_extras(size_t, State& nodes, bool in_pass) const {
+    const std::lock_guard lock(mutex_);
+    upstream_->save_extras(nodes, in_pass);
   }
 
   // A resumed consumer takes its items as it did, buffering what the others
@@ -605,7 +609,7 @@ class ForkState {
   size_t buffer_limit_;
   // Around upstream and everything above, for consumers on several threads
   // (uncontended, one lock an item, where they share one thread).
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
 };
 
 template <class T>

@@ -304,6 +304,49 @@ TEST(PipelineResume, ACacheFilledInAnEarlierPassIsFilledTheSameWayInANewProcess)
   EXPECT_EQ(whole, first);  // the cache replays the first pass
 }
 
+// The pass that filled a cache drew its order from the process generator
+// (a RandomSampler) and handed items out as they finished (a map out of
+// order): a new process, whose generator and timing differ, refills the
+// cache with those items in that order, from a state taken between passes
+// or in a later one.
+TEST(PipelineResume, ACacheIsRefilledWithWhatItsFillingPassDrewAndDecided) {
+  // `salt` moves each item's delay, as another process's timing would.
+  auto make = [](uint64_t salt) {
+    auto delayed = [salt](size_t i) {
+      const uint64_t h = (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ULL) ^ salt;
+      conveyor::testing::spin_delay(h % 3 == 0 ? h % 200000 : 0);
+      return static_cast<int64_t>(i);
+    };
+    return nodes::from_sampler(std::make_shared<conveyor::RandomSampler>(size_t{60})) |
+           nodes::map(delayed, {.workers = 3, .in_order = false}) | nodes::cache();
+  };
+  for (const int taken_after : {0, 25}) {  // items of the second pass
+    conveyor::manual_seed(21);
+    auto first = make(1);
+    const Outcomes filled = conveyor::testing::outcomes(first);
+    Outcomes second_before;
+    std::string saved;
+    if (taken_after == 0) {
+      saved = first.state().to_json();  // between the passes
+    } else {
+      auto pass = first.pass();
+      for (int i = 0; i < taken_after; ++i) ASSERT_TRUE(take_one(pass, second_before));
+      saved = first.state().to_json();
+    }
+    conveyor::manual_seed(999);  // a new process's generator
+    auto resumed = make(2);
+    resumed.load_state(State::from_json(saved));
+    Outcomes whole = second_before;
+    {
+      auto pass = resumed.pass();
+      while (take_one(pass, whole)) {
+      }
+    }
+    EXPECT_EQ(whole, filled) << "state taken after " << taken_after << " items of the second pass";
+    EXPECT_EQ(conveyor::testing::outcomes(resumed), filled) << "the pass after it replays the cache";
+  }
+}
+
 TEST(PipelineResume, AMismatchNamesWhatDiffers) {
   auto saver = nodes::from_range(0, 10) | nodes::batch(4);
   saver.seed(1);

@@ -292,7 +292,10 @@ class Cache final : public MeteredNode<T> {
       ordered_upstream_ = walk.ordered_by_timing;
       filling_pass_ = pass;
     }
-    complete_at_reset_ = complete_;
+    {
+      std::lock_guard lock(filled_mutex_);
+      filled_at_reset_ = filled_;
+    }
     this->start_metering(pass, walk.next_id++);
   }
   std::optional<T> produce() override {
@@ -302,7 +305,14 @@ class Cache final : public MeteredNode<T> {
     }
     std::optional<T> item = this->meter_.wait([this] { return this->next_of(*upstream_); });
     if (!item) {
+      // What upstream drew and decided by timing in the filling pass (a
+      // RandomSampler's start, an unordered map's order), for a new process
+      // to fill the cache with the same items in the same order.
+      State upstream_at_fill = State::object();
+      upstream_->save_extras(upstream_at_fill, /*in_pass=*/true);
+      upstream_at_fill_ = std::make_shared<const State>(std::move(upstream_at_fill));
       complete_ = true;
+      publish_filled();
       return std::nullopt;
     }
     filling_.push_back(*item);
@@ -315,14 +325,21 @@ class Cache final : public MeteredNode<T> {
     position_ += static_cast<size_t>(skipped);
     return skipped;
   }
-  // A complete cache says which pass filled it: a new process resuming
-  // after that pass fills it the same way. Read as of the last reset (the
-  // consumer's thread), not as the pass goes on.
+  // A complete cache says which pass filled it and what upstream decided in
+  // it: a new process resuming after that pass fills it the same way. In a
+  // pass, as of its reset: a state of the filling pass resumes it item by
+  // item (its failed items count; the cache holds none of them).
   void save_extras(State& nodes, bool in_pass) const override {
-    if (complete_at_reset_) {
+    std::shared_ptr<const Filled> filled;
+    {
+      std::lock_guard lock(filled_mutex_);
+      filled = in_pass ? filled_at_reset_ : filled_;
+    }
+    if (filled) {
       State mine = State::object();
-      mine.set("filled_in_epoch", filling_pass_.epoch);
-      mine.set("filled_with_seed", filling_pass_.seed);
+      mine.set("filled_in_epoch", filled->pass.epoch);
+      mine.set("filled_with_seed", filled->pass.seed);
+      if (filled->upstream) mine.set("upstream_at_fill", *filled->upstream);
       nodes.set(std::to_string(this->id_), std::move(mine));
     }
     upstream_->save_extras(nodes, in_pass);
@@ -342,7 +359,11 @@ class Cache final : public MeteredNode<T> {
     filling.epoch = saved->uint_at("filled_in_epoch");
     filling.seed = saved->uint_at("filled_with_seed");
     conveyor::detail::ResetWalk fill_walk = walk;
-    fill_walk.restoring = nullptr;
+    // Upstream as the filling pass drew and decided (absent in a state
+    // saved before it was kept: upstream then draws anew).
+    const State* upstream_at_fill = saved->find("upstream_at_fill");
+    upstream_at_fill_ = upstream_at_fill ? std::make_shared<const State>(*upstream_at_fill) : nullptr;
+    fill_walk.restoring = upstream_at_fill_;
     upstream_->reset(filling, fill_walk);
     filling_.clear();
     while (true) {
@@ -359,14 +380,30 @@ class Cache final : public MeteredNode<T> {
     ordered_upstream_ = fill_walk.ordered_by_timing;
     filling_pass_ = filling;
     complete_ = true;
+    publish_filled();
+  }
+  // Where the cache completes, which may be a strand's thread.
+  void publish_filled() {
+    auto filled = std::make_shared<const Filled>(Filled{filling_pass_, upstream_at_fill_});
+    std::lock_guard lock(filled_mutex_);
+    filled_ = std::move(filled);
   }
 
   NodePtr<T> upstream_;
   std::vector<T> filling_;  // the items of the first pass, complete once complete_
   bool complete_ = false;
   bool replaying_ = false;
-  bool complete_at_reset_ = false;
   PassContext filling_pass_;  // the pass that filled (or fills) the cache
+  std::shared_ptr<const State> upstream_at_fill_;  // upstream's extras as the filling pass ended
+  struct Filled {
+    PassContext pass;
+    std::shared_ptr<const State> upstream;
+  };
+  // Set where the cache completes and copied at each reset; read by
+  // save_extras() on the consumer's thread.
+  mutable std::mutex filled_mutex_;
+  std::shared_ptr<const Filled> filled_;
+  std::shared_ptr<const Filled> filled_at_reset_;
   size_t position_ = 0;
   uint64_t upstream_ids_ = 0;  // how many ids upstream takes
   bool sharded_upstream_ = false;

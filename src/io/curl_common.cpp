@@ -24,7 +24,7 @@ void init_curl() {
 
 bool retryable(CURLcode code) noexcept {
   switch (code) {
-    case CURLE_OPERATION_TIMEDOUT:  // connect or total timeout
+    case CURLE_OPERATION_TIMEDOUT:  // connect, total or stall timeout
     case CURLE_COULDNT_CONNECT:     // refused: a server restarting
     case CURLE_RECV_ERROR:          // connection reset
     case CURLE_SEND_ERROR:
@@ -63,6 +63,9 @@ void validate(const nodes::HttpOptions& options, const std::string& who) {
   };
   check_ms("connect_timeout", options.connect_timeout, false);
   check_ms("total_timeout", options.total_timeout, true);
+  if (options.stall_timeout.count() < 0 || options.stall_timeout.count() > 86400) {
+    fail("stall_timeout should be in [0, 86400] s, but got " + std::to_string(options.stall_timeout.count()));
+  }
   check_ms("backoff", options.backoff, true);
   check_ms("max_backoff", options.max_backoff, true);
   if (options.max_bytes == 0) fail("max_bytes should be at least 1");
@@ -94,6 +97,28 @@ int set_receive_buffer(void* bytes, curl_socket_t socket, curlsocktype purpose) 
 
 }  // namespace
 
+std::optional<uint64_t> leading_number(std::string_view text) noexcept {
+  uint64_t value = 0;
+  size_t i = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (value > (std::numeric_limits<uint64_t>::max() - 9) / 10) return std::nullopt;
+    value = value * 10 + static_cast<uint64_t>(text[i] - '0');
+  }
+  if (i == 0) return std::nullopt;
+  return value;
+}
+
+std::optional<ContentRange> parse_content_range(std::string_view text) noexcept {
+  if (!text.starts_with("bytes ")) return std::nullopt;
+  text.remove_prefix(6);
+  const size_t dash = text.find('-'), slash = text.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) return std::nullopt;
+  const std::optional<uint64_t> first = leading_number(text.substr(0, dash));
+  const std::optional<uint64_t> last = leading_number(text.substr(dash + 1, slash - dash - 1));
+  if (!first || !last || *last < *first) return std::nullopt;
+  return ContentRange{*first, *last, leading_number(text.substr(slash + 1))};
+}
+
 bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept {
   if (options.receive_buffer > 0) {
     if (curl_easy_setopt(easy, CURLOPT_SOCKOPTFUNCTION, &set_receive_buffer) != CURLE_OK ||
@@ -106,6 +131,10 @@ bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const c
             curl_easy_setopt(easy, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options.connect_timeout.count())) ==
                 CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_TIMEOUT_MS, static_cast<long>(options.total_timeout.count())) == CURLE_OK &&
+            // Under 1 byte/s for stall_timeout: nothing came (0 turns the check off).
+            curl_easy_setopt(easy, CURLOPT_LOW_SPEED_LIMIT, options.stall_timeout.count() > 0 ? 1L : 0L) == CURLE_OK &&
+            curl_easy_setopt(easy, CURLOPT_LOW_SPEED_TIME, static_cast<long>(options.stall_timeout.count())) ==
+                CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_FOLLOWLOCATION, 1L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_MAXREDIRS, 10L) == CURLE_OK &&
             curl_easy_setopt(easy, CURLOPT_USERAGENT, user_agent) == CURLE_OK &&

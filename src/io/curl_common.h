@@ -7,7 +7,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "conveyor/nodes/http.h"
 
@@ -32,5 +34,17 @@ void validate(const nodes::HttpOptions& options, const std::string& who);
 // Timeouts, http(s) only (redirects too), redirects followed, no signals,
 // the user agent, the receive buffer of new connections, the CA file. False when libcurl refused one (out of memory).
 bool set_transfer_options(CURL* easy, const nodes::HttpOptions& options, const char* user_agent) noexcept;
+
+// The decimal number `text` starts with; none without a digit or past uint64_t.
+std::optional<uint64_t> leading_number(std::string_view text) noexcept;
+
+// A Content-Range header's value, "bytes FIRST-LAST/TOTAL" (TOTAL may be
+// '*', unknown); none when it is not of that form or LAST < FIRST.
+struct ContentRange {
+  uint64_t first = 0;
+  uint64_t last = 0;
+  std::optional<uint64_t> total;
+};
+std::optional<ContentRange> parse_content_range(std::string_view text) noexcept;
 
 }  // namespace conveyor::io::detail

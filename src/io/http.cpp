@@ -125,32 +125,14 @@ std::optional<std::string_view> header_value(const char* data, size_t bytes, std
   return std::string_view(data + i, bytes - i);
 }
 
-// The decimal number `text` starts with; none without a digit or past uint64_t.
-std::optional<uint64_t> leading_number(std::string_view text) {
-  uint64_t value = 0;
-  size_t i = 0;
-  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
-    if (value > (std::numeric_limits<uint64_t>::max() - 9) / 10) return std::nullopt;
-    value = value * 10 + static_cast<uint64_t>(text[i] - '0');
-  }
-  if (i == 0) return std::nullopt;
-  return value;
-}
-
 // "bytes FIRST-LAST/TOTAL" (TOTAL may be '*'): FIRST is the item's offset and
 // LAST reaches the range's end, or the object's.
 bool answers_range(const Transfer& transfer, std::string_view range) {
-  if (!range.starts_with("bytes ")) return false;
-  range.remove_prefix(6);
-  const size_t dash = range.find('-'), slash = range.find('/');
-  if (dash == std::string_view::npos || slash == std::string_view::npos || slash < dash) return false;
-  const std::optional<uint64_t> first = leading_number(range.substr(0, dash));
-  const std::optional<uint64_t> last = leading_number(range.substr(dash + 1, slash - dash - 1));
-  if (!first || !last || *first != transfer.offset || *last < *first) return false;
-  const std::optional<uint64_t> total = leading_number(range.substr(slash + 1));
+  const std::optional<io::detail::ContentRange> answered = io::detail::parse_content_range(range);
+  if (!answered || answered->first != transfer.offset) return false;
   uint64_t wanted_end = transfer.length ? transfer.offset + *transfer.length : std::numeric_limits<uint64_t>::max();
-  if (total) wanted_end = std::min(wanted_end, *total);
-  return *last + 1 >= wanted_end || (!total && !transfer.length);
+  if (answered->total) wanted_end = std::min(wanted_end, *answered->total);
+  return answered->last + 1 >= wanted_end || (!answered->total && !transfer.length);
 }
 
 // CURLOPT_HEADERFUNCTION. A 2xx response whose Content-Length exceeds
@@ -178,7 +160,7 @@ size_t read_header(char* data, size_t size, size_t count, void* user) {
   if (transfer.ranged && status != 206) return bytes;
   const std::optional<std::string_view> value = header_value(data, bytes, "content-length:");
   if (!value) return bytes;
-  const std::optional<uint64_t> length = leading_number(*value);  // none: absurd, libcurl refuses it
+  const std::optional<uint64_t> length = io::detail::leading_number(*value);  // none: absurd, libcurl refuses it
   if (length && *length > transfer.max_bytes) {
     transfer.declared = static_cast<int64_t>(std::min<uint64_t>(*length, std::numeric_limits<int64_t>::max()));
     return 0;  // CURLE_WRITE_ERROR

@@ -243,6 +243,7 @@ class HttpStream final : public ByteStream {
     discard_ = 0;
     status_ = 0;
     too_big_ = false;
+    wrong_range_.clear();
     error_text_[0] = '\0';
     CURL* easy = connection_.easy;
     const std::string range = std::to_string(received_) + "-";
@@ -277,6 +278,18 @@ class HttpStream final : public ByteStream {
       uint64_t start = 0;  // where this body begins in the object
       if (received_ > 0) {
         if (status == 206) {
+          // A resume's 206 must begin where the last attempt stopped: one
+          // answering another range would splice the wrong bytes in (a
+          // chunked first response left no length to catch it by).
+          curl_header* header = nullptr;
+          const bool has_range =
+              curl_easy_header(connection_.easy, "Content-Range", 0, CURLH_HEADER, -1, &header) == CURLHE_OK;
+          const std::optional<io::detail::ContentRange> range =
+              has_range ? io::detail::parse_content_range(header->value) : std::nullopt;
+          if (!range || range->first != received_) {
+            wrong_range_ = has_range ? "Content-Range: " + std::string(header->value) : "no Content-Range";
+            return 0;
+          }
           start = received_;
         } else {
           discard_ = received_;  // the server sent it all again
@@ -342,9 +355,11 @@ class HttpStream final : public ByteStream {
       why = "the object holds more than max_bytes " + std::to_string(options_.max_bytes);
     } else if (changed_) {
       why = "the object's length changed between attempts (it was replaced mid-read)";
-    } else if (status_ != 0) {
-      why = "HTTP " + std::to_string(status_);
-      retry = status_ >= 500;
+    } else if (!wrong_range_.empty()) {
+      why = "the resume from byte " + std::to_string(received_) + " was answered with " + wrong_range_;
+    } else if (status != 0 && (status < 200 || status >= 300)) {  // with a body or without
+      why = "HTTP " + std::to_string(status);
+      retry = status >= 500;
     } else {
       why = curl_easy_strerror(result);
       if (error_text_[0] != '\0') why += std::string(" (") + error_text_ + ")";
@@ -385,6 +400,7 @@ class HttpStream final : public ByteStream {
   bool done_ = false;
   bool too_big_ = false;
   bool changed_ = false;
+  std::string wrong_range_;  // a resume answered from another byte: what the 206 said
   long status_ = 0;  // an attempt's non-2xx status
   std::exception_ptr failure_;
   char error_text_[CURL_ERROR_SIZE] = {};

@@ -16,6 +16,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "conveyor/data_error.h"
@@ -68,6 +69,7 @@ class HttpShardTest : public ::testing::Test {
     TarShardWriter slow(server_->www() + "/slow/tiny-", 1);
     slow.write("000000", {{"bin", std::vector<uint8_t>(600, 7)}, {"cls", {'3'}}});
     slow.close();
+    server_->write_file("resume-elsewhere/object.bin", std::string(8000, 'x'));
     server_->start();
   }
   static void TearDownTestSuite() { server_.reset(); }
@@ -235,6 +237,86 @@ TEST_F(HttpShardTest, ServerErrorsAreRetriedThenReported) {
     EXPECT_NE(std::string(error.what()).find("HTTP 500 (after 3 attempts)"), std::string::npos) << error.what();
   }
   EXPECT_EQ(server_->statuses_logged("/error500/part-000000.tar"), (std::vector<int>{500, 500, 500}));
+}
+
+// An error with an empty body (Content-Length: 0) is named by its status,
+// as one with a body is, and a 5xx is retried.
+TEST_F(HttpShardTest, AnErrorWithAnEmptyBodyIsNamedByItsStatus) {
+  std::vector<uint8_t> block(4096);
+  for (const int status : {503, 404}) {
+    const std::string path = "/empty" + std::to_string(status) + "/part-000000.tar";
+    const std::string url = server_->url(path);
+    std::unique_ptr<ByteStream> stream = http_opener({.retries = 2, .backoff = milliseconds(1)})(url);
+    ASSERT_NE(stream, nullptr);
+    try {
+      stream->read(block);
+      ADD_FAILURE() << "no DataError for " << path;
+    } catch (const DataError& error) {
+      EXPECT_EQ(error.file(), url);
+      const std::string expected = status == 503 ? "HTTP 503 (after 3 attempts)" : "HTTP 404";
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+    }
+    EXPECT_EQ(server_->statuses_logged(path), std::vector<int>(status == 503 ? 3 : 1, status));
+  }
+}
+
+// A chunked response (no length to check a resume by) is cut by
+// total_timeout and resumed with a range, which the server answers from
+// byte 0 (Content-Range: bytes 0-2/3): refused, not spliced onto the bytes
+// already read.
+TEST_F(HttpShardTest, AResumeAnsweredFromAnotherByteIsRefused) {
+  const std::string path = "/resume-elsewhere/object.bin";
+  const std::string url = server_->url(path);
+  std::unique_ptr<ByteStream> stream =
+      http_opener({.total_timeout = milliseconds(700), .retries = 3, .backoff = milliseconds(1)})(url);
+  ASSERT_NE(stream, nullptr);
+  std::vector<uint8_t> block(4096);
+  uint64_t got = 0;
+  try {
+    while (const size_t count = stream->read(block)) got += count;
+    ADD_FAILURE() << "the stream ended after " << got << " bytes without an error";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), url);
+    EXPECT_NE(std::string(error.what()).find("was answered with Content-Range: bytes 0-2/3"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_GT(got, 0u) << "the first attempt brought no byte: nothing was resumed";
+  EXPECT_LT(got, 8000u);
+  const std::vector<int> statuses = server_->statuses_logged(path);
+  ASSERT_FALSE(statuses.empty());
+  EXPECT_EQ(statuses.back(), 206);
+}
+
+// A server that accepted the connection and went silent is cut after
+// stall_timeout and retried, then reported, with no total_timeout at all.
+// A reader slower than the server is not a stall: its paused transfer
+// goes on, on one request.
+TEST_F(HttpShardTest, ASilentServerIsCutByTheStallTimeoutAndASlowReaderIsNot) {
+  conveyor::test::SilentServer silent;
+  const std::string url = silent.url("/part-000000.tar");
+  const HttpOptions options{.total_timeout = milliseconds(0), .stall_timeout = std::chrono::seconds(1),
+                            .retries = 1, .backoff = milliseconds(1)};
+  std::unique_ptr<ByteStream> stream = http_opener(options)(url);
+  ASSERT_NE(stream, nullptr);
+  std::vector<uint8_t> block(4096);
+  try {
+    stream->read(block);
+    ADD_FAILURE() << "a silent server gave no DataError";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), url);
+    EXPECT_NE(std::string(error.what()).find("(after 2 attempts)"), std::string::npos) << error.what();
+  }
+
+  // 8 MiB: far past what the stream buffers (1 MiB) before it pauses.
+  const std::string object(8u << 20, 'y');
+  const std::string path = "/stall/big.bin";
+  server_->write_file(path.substr(1), object);
+  std::unique_ptr<ByteStream> slow_reader = http_opener(options)(server_->url(path));
+  uint64_t got = slow_reader->read(block);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // the reader away, past stall_timeout
+  while (const size_t count = slow_reader->read(block)) got += count;
+  EXPECT_EQ(got, object.size());
+  EXPECT_EQ(server_->statuses_logged(path), std::vector<int>{200});
 }
 
 // Every attempt is cut by total_timeout long before the throttled shard is

@@ -573,6 +573,31 @@ TEST(HttpGetOptions, OutOfRangeIsAValueError) {
     EXPECT_NE(std::string(e.what()).find("/no/such/ca.pem"), std::string::npos) << e.what();
   }
   EXPECT_THROW(http_opener({.ca_file = "/"}), ValueError);
+  try {
+    (void)http_get({.stall_timeout = std::chrono::seconds(-1)});
+    ADD_FAILURE() << "a negative stall_timeout was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_STREQ(e.what(), "http_get: stall_timeout should be in [0, 86400] s, but got -1");
+  }
+}
+
+// A server that accepted the connections and went silent: each object is
+// cut after stall_timeout and retried, then a DataError naming its URL, in
+// its place, with no total_timeout at all.
+TEST(HttpGetStalled, ASilentServerIsCutByTheStallTimeout) {
+  conveyor::test::SilentServer silent;
+  const std::vector<std::string> urls = {silent.url("/a.bin"), silent.url("/b.bin")};
+  auto pipeline = from_vector(urls) | http_get({.total_timeout = milliseconds(0), .stall_timeout = std::chrono::seconds(1),
+                                                .retries = 1, .backoff = milliseconds(1)});
+  auto pass = pipeline.pass();
+  for (const std::string& url : urls) {
+    const DataError error = next_error(pass);
+    EXPECT_EQ(error.file(), url);
+    const std::string what = error.what();
+    EXPECT_NE(what.find("Operation too slow"), std::string::npos) << what;
+    EXPECT_NE(what.find("(after 2 attempts)"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(pass.next());
 }
 
 // The server stopped mid-pass: every object is either whole or a DataError

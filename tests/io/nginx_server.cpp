@@ -27,9 +27,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A port nothing listens on now: bind to port 0, read it back, close.
-// Another process could take it before nginx does: start() retries then.
-uint16_t free_port() {
+// A TCP socket bound to a free 127.0.0.1 port (bind to port 0), and the port.
+int bound_loopback_socket(uint16_t& port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw std::runtime_error("socket() failed");
   sockaddr_in address{};
@@ -41,8 +40,16 @@ uint16_t free_port() {
     ::close(fd);
     throw std::runtime_error("cannot bind a loopback port");
   }
-  ::close(fd);
-  return ntohs(address.sin_port);
+  port = ntohs(address.sin_port);
+  return fd;
+}
+
+// A port nothing listens on now: bound, read back, closed. Another process
+// could take it before nginx does: start() retries then.
+uint16_t free_port() {
+  uint16_t port = 0;
+  ::close(bound_loopback_socket(port));
+  return port;
 }
 
 bool accepts(uint16_t port) {
@@ -112,6 +119,7 @@ void NginxServer::restart() {
 void NginxServer::start_on(uint16_t fixed_port) {
   const std::string nginx = binary();
   if (nginx.empty()) throw std::runtime_error("nginx is not installed");
+  write_file("empty-body", "");  // the body of /empty503/ and /empty404/
   std::string last_error;
   for (int attempt = 0; attempt < 5; ++attempt) {  // another process may take the free port first
     port_ = fixed_port != 0 ? fixed_port : free_port();
@@ -158,6 +166,14 @@ void NginxServer::start_on(uint16_t fixed_port) {
          << "    location /range-short/ { add_header Content-Range \"bytes 0-2/100\"; return 206 \"abc\"; }\n"
          << "    location /range-none/ { return 206 \"abc\"; }\n"
          << "    location /chunked/ { sub_filter 'no-such-text' 'x'; sub_filter_once off; sub_filter_types *; }\n"
+         // (return's text cannot be empty: nginx sends its error page then)
+         << "    location = /empty-body { internal; }\n"
+         << "    location /empty503/ { error_page 503 /empty-body; return 503; }\n"
+         << "    location /empty404/ { error_page 404 /empty-body; return 404; }\n"
+         << "    location /resume-elsewhere/ {\n"
+         << "      if ($http_range) { add_header Content-Range \"bytes 0-2/3\"; return 206 \"abc\"; }\n"
+         << "      limit_rate 1k; sub_filter 'no-such-text' 'x'; sub_filter_once off; sub_filter_types *;\n"
+         << "    }\n"
          << "  }\n"
          << "}\n";
     conf.close();
@@ -283,6 +299,20 @@ std::vector<uint64_t> NginxServer::connections_logged(const std::string& path) c
 
 int NginxServer::requests_logged(const std::string& path) const {
   return static_cast<int>(requests_in_log(path).size());
+}
+
+SilentServer::SilentServer() {
+  fd_ = bound_loopback_socket(port_);
+  if (::listen(fd_, 16) != 0) {
+    ::close(fd_);
+    throw std::runtime_error("listen() failed on 127.0.0.1:" + std::to_string(port_));
+  }
+}
+
+SilentServer::~SilentServer() { ::close(fd_); }
+
+std::string SilentServer::url(const std::string& path) const {
+  return "http://127.0.0.1:" + std::to_string(port_) + path;
 }
 
 }  // namespace conveyor::test

@@ -9,6 +9,10 @@
 //   /norange/...   DIR/www/norange/..., max_ranges 0: a Range is answered 200
 //   /range-from-7/, /range-short/, /range-none/   206 "abc" with Content-Range
 //                  bytes 7-9/100, bytes 0-2/100, or none
+//   /empty503/..., /empty404/...   503 or 404 with an empty body (Content-Length: 0)
+//   /resume-elsewhere/...  DIR/www/resume-elsewhere/..., chunked and at 1k/s
+//                  as /chunked/ and /slow/; a request with a Range is
+//                  answered 206 "abc", Content-Range bytes 0-2/3, whatever it asked
 // and, after enable_tls(), all of it over https on a second port.
 #pragma once
 
@@ -94,6 +98,22 @@ class NginxServer {
   uint16_t port_ = 0;
   uint16_t tls_port_ = 0;  // 0: no TLS
   pid_t pid_ = -1;
+};
+
+// A server that hung: a TCP listener on a free 127.0.0.1 port that never
+// accepts. The kernel completes each connection from its backlog and keeps
+// what the client sends; no byte ever comes back.
+class SilentServer {
+ public:
+  SilentServer();  // throws std::runtime_error
+  ~SilentServer();  // closes the listener
+  SilentServer(const SilentServer&) = delete;
+  SilentServer& operator=(const SilentServer&) = delete;
+  std::string url(const std::string& path) const;  // path starts with '/'
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
 };
 
 }  // namespace conveyor::test

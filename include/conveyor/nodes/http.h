@@ -81,6 +81,12 @@ struct HttpOptions {
   // (0: no limit on the whole transfer).
   std::chrono::milliseconds connect_timeout{10'000};
   std::chrono::milliseconds total_timeout{300'000};
+  // Per attempt: a transfer that receives nothing for this long (a server
+  // that accepted and went silent, a peer gone without a reset) is cut and
+  // retried like a timeout. A stream paused for a slow reader is not
+  // stalled. Whole seconds, as libcurl counts them (0: no limit; then only
+  // total_timeout bounds a silent server). [0, 86400].
+  std::chrono::seconds stall_timeout{60};
   // Retries after the first attempt, for timeouts, connection failures and
   // resets, and HTTP 5xx. The k-th retry waits min(backoff x 2^(k-1),
   // max_backoff) without holding the thread.

@@ -216,6 +216,7 @@ class UringReader final : public FileReader {
       return nullptr;
     }
     reader->ring_ready_ = true;
+    reader->timed_waits_ = (reader->ring_.features & IORING_FEAT_EXT_ARG) != 0;
     // queued_ holds at most a submission queue's worth: reserved now, a
     // push never allocates (nor throws) with an entry already pointing at
     // its request.
@@ -226,14 +227,19 @@ class UringReader final : public FileReader {
 
   ~UringReader() override {
     if (!ring_ready_) return;
-    // The stop sentinel, a no-op whose completion ends the thread once no
-    // request is in flight. Until the kernel has taken it, the thread would
-    // wait for it for ever: a failed submit is tried again (the thread
-    // drains completions meanwhile, which is what a busy kernel lacks).
+    // The thread ends once stopping_ is set and no request is in flight. A
+    // stop entry, a no-op, wakes it if it waits with nothing in flight.
+    // Where the kernel waits with a timeout (IORING_FEAT_EXT_ARG, 5.11) the
+    // thread also looks at stopping_ every kStopCheck, so a stop entry the
+    // kernel does not take (a submit failing for as long as it likes)
+    // delays the join by at most that. Elsewhere it is submitted again
+    // until taken (the thread drains completions meanwhile, which is what a
+    // busy kernel lacks).
     bool queued = false;
     for (auto pause = std::chrono::milliseconds(1);; pause = std::min(2 * pause, std::chrono::milliseconds(100))) {
       {
         std::lock_guard lock(mutex_);
+        stopping_ = true;
         if (!queued) {
           if (io_uring_sqe* sqe = sqe_locked()) {
             io_uring_prep_nop(sqe);
@@ -242,7 +248,7 @@ class UringReader final : public FileReader {
           }
         }
         submit_locked();
-        if (queued && io_uring_sq_ready(&ring_) == 0) break;
+        if (timed_waits_ || (queued && io_uring_sq_ready(&ring_) == 0)) break;
       }
       std::this_thread::sleep_for(pause);
     }
@@ -326,17 +332,27 @@ class UringReader final : public FileReader {
   }
 
   void loop() {
-    bool stop_seen = false;
     bool wait_failed = false;
     std::vector<Request*> next;  // requests whose next step to submit
     while (true) {
       io_uring_cqe* cqe = nullptr;
-      const int rc = io_uring_wait_cqe(&ring_, &cqe);
+      // With EXT_ARG the timeout travels with the wait, no entry submitted
+      // (this thread touches the submission queue only under the mutex).
+      __kernel_timespec stop_check{.tv_sec = 0, .tv_nsec = kStopCheck.count()};
+      const int rc =
+          timed_waits_ ? io_uring_wait_cqe_timeout(&ring_, &cqe, &stop_check) : io_uring_wait_cqe(&ring_, &cqe);
       if (rc == -EINTR) continue;
+      if (rc == -ETIME) {
+        std::lock_guard lock(mutex_);
+        if (stopping_ && outstanding_ == 0) return;
+        continue;
+      }
       if (rc < 0) {
         // Not expected with a working ring; say so once and keep draining.
         if (!wait_failed) std::fprintf(stderr, "conveyor: read_files_async: io_uring_wait_cqe: %s\n", os_reason(-rc).c_str());
         wait_failed = true;
+        std::lock_guard lock(mutex_);
+        if (stopping_ && outstanding_ == 0) return;
         continue;
       }
       // Under the mutex: read() wrote each request before submitting it under
@@ -351,10 +367,7 @@ class UringReader final : public FileReader {
         void* data = io_uring_cqe_get_data(cqe);
         if (data == &dropped_entry) continue;  // its request failed when it was not taken
         auto* request = static_cast<Request*>(data);
-        if (!request) {
-          stop_seen = true;
-          continue;
-        }
+        if (!request) continue;  // the stop entry: stopping_ is set
         if (advance(*request, cqe->res)) {
           next.push_back(request);
         } else {
@@ -375,9 +388,9 @@ class UringReader final : public FileReader {
       }
       next.clear();
       if (prepared) submit_locked();
-      // Stopping: once the sentinel came back and nothing is in flight, no
-      // completion can still arrive.
-      if (stop_seen && outstanding_ == 0) return;
+      // Stopping, with nothing in flight: no completion of a request can
+      // still arrive (the stop entry's may, and goes with the ring).
+      if (stopping_ && outstanding_ == 0) return;
     }
   }
 
@@ -464,8 +477,12 @@ class UringReader final : public FileReader {
 
   uint64_t max_bytes_;
   io_uring ring_{};
+  // How often a thread waiting with nothing to do looks at stopping_.
+  static constexpr std::chrono::nanoseconds kStopCheck{200'000'000};
   bool ring_ready_ = false;
-  std::mutex mutex_;  // the submission queue, queued_, outstanding_
+  bool timed_waits_ = false;  // set before the thread starts
+  std::mutex mutex_;  // the submission queue, queued_, outstanding_, stopping_
+  bool stopping_ = false;  // the destructor runs
   // Entries prepared since the last submit, in order, and their requests.
   std::vector<std::pair<io_uring_sqe*, Request*>> queued_;
   size_t outstanding_ = 0;  // requests the ring holds
@@ -478,6 +495,7 @@ class UringReader final : public FileReader {
 
 struct Probe {
   bool uring = false;
+  bool timed_waits = false;  // IORING_FEAT_EXT_ARG
   std::string why;  // when not
 };
 
@@ -489,6 +507,7 @@ const Probe& probe() {
     io_uring ring{};
     const int rc = io_uring_queue_init(8, &ring, 0);
     if (rc == 0) {
+      p.timed_waits = (ring.features & IORING_FEAT_EXT_ARG) != 0;
       io_uring_queue_exit(&ring);
       p.uring = true;
     } else {
@@ -568,6 +587,7 @@ void fail_uring_submits(int after, int count) {
   submits_to_pass.store(after, std::memory_order_relaxed);
   submits_to_fail.store(count, std::memory_order_relaxed);
 }
+bool uring_stop_is_bounded() { return probe().timed_waits; }
 }  // namespace detail
 
 std::string file_io_backend() {

@@ -311,6 +311,27 @@ TEST_F(UringSubmitFails, TheStopIsSubmittedAgainUntilTaken) {
   SUCCEED() << "the node went";
 }
 
+// The kernel never takes the stop entry (every submit fails from the
+// destructor on): the node still goes, its ring thread seeing the stop at
+// its next timed wait, where the kernel has them.
+TEST_F(UringSubmitFails, TheNodeGoesEvenIfTheStopIsNeverTaken) {
+  if (!nodes::detail::uring_stop_is_bounded()) {
+    GTEST_SKIP() << "this kernel's io_uring waits without a timeout (IORING_FEAT_EXT_ARG, Linux 5.11)";
+  }
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 4; ++i) paths.push_back(dir.file("n" + std::to_string(i), 1000));
+  {
+    auto pipeline = nodes::from_vector(paths) |
+                    nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
+    size_t k = 0;
+    for (FileBytes& file : pipeline.pass()) EXPECT_EQ(file.bytes, contents(paths[k++]));
+    EXPECT_EQ(k, paths.size());
+    nodes::detail::fail_uring_submits(0, 1'000'000'000);
+  }
+  SUCCEED() << "the node went";
+}
+
 TEST(ReadFilesAsyncOptions, OutOfRangeNamesTheValue) {
   try {
     nodes::read_files_async({.max_in_flight = 0});

@@ -76,6 +76,10 @@ namespace detail {
 // first `after` go through, then `count` fail with EAGAIN (as a kernel short
 // of memory fails them), their entries left in the ring, not taken.
 void fail_uring_submits(int after, int count);
+// Whether a ring's thread waits with a timeout here (IORING_FEAT_EXT_ARG,
+// Linux 5.11): a node's destructor then returns even if the kernel never
+// takes its stop entry. Elsewhere it submits that entry until taken.
+bool uring_stop_is_bounded();
 }  // namespace detail
 
 }  // namespace conveyor::nodes

@@ -16,7 +16,7 @@
 //   - the size, octal after optional blanks, and the padding to 512 bytes;
 //   - symlinks, devices, FIFOs and directories are skipped with no data;
 //   - a block of zeros ends the archive; so does the stream's end at a
-//     header's place, which the caller checks (TarSource::ends_mid_archive).
+//     header's place (ended_without_end_block(), which the caller checks).
 //
 // Anything else, from that header on, is libarchive's: pax and GNU
 // extension headers, hard links, sparse and multi-volume members, GNU's
@@ -74,7 +74,10 @@ class PlainTarReader {
       const uint8_t* header = take_header();
       if (header == nullptr) {
         if (at_start()) return Next::hand_over;  // empty or shorter than a block: libarchive says what it is
-        if (header_bytes_ == 0) return Next::end;  // the stream ended at a header's place
+        if (header_bytes_ == 0) {  // the stream ended at a header's place
+          stream_ended_ = true;
+          return Next::end;
+        }
         throw PlainTarFailure("Truncated tar archive");
       }
       if (header[0] == 0 && std::all_of(header, header + kTarBlockBytes, [](uint8_t b) { return b == 0; })) {
@@ -131,6 +134,10 @@ class PlainTarReader {
 
   // Bytes of the archive consumed so far.
   uint64_t consumed() const { return consumed_; }
+  // After next() returned end: the stream ended where a header should be,
+  // with no end-of-archive block (a tar cut at a member boundary), rather
+  // than at a block of zeros.
+  bool ended_without_end_block() const { return stream_ended_; }
 
   // Whether the header just read is the archive's first.
   bool at_start() const { return header_start_ == 0; }
@@ -324,6 +331,7 @@ class PlainTarReader {
   const uint8_t* next_ = nullptr;  // the unread bytes of the source's block
   const uint8_t* end_ = nullptr;
   uint64_t consumed_ = 0;      // of the archive
+  bool stream_ended_ = false;  // next() met the stream's end at a header's place
   uint64_t header_start_ = 0;  // where the last header began
   size_t header_bytes_ = 0;                         // how much of it the stream held
   bool header_in_place_ = false;                    // in the source's block, else in staging_

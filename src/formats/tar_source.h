@@ -43,9 +43,10 @@ inline constexpr size_t kTarBlockBytes = 512;
 // Where a shard's bytes come from: a file read in 64 KiB blocks, a
 // ByteStream (an HTTP body) read in place or in 64 KiB blocks, or memory.
 // libarchive pulls them through read(). The source remembers how many bytes it
-// handed out and the last 512 of them: libarchive accepts a tar that stops at
-// a member boundary without its end-of-archive blocks, and these tell such a
-// truncated shard from one that ends properly.
+// handed out and whether the stream ended: libarchive accepts a tar that
+// stops at a member boundary without its end-of-archive blocks, and these,
+// with where the last entry ended, tell such a truncated shard from one
+// that ends properly.
 // A file's read() failed: its reason, and errno for libarchive.
 struct ReadFailure : std::runtime_error {
   ReadFailure(const std::string& what, int error) : std::runtime_error(what), error_number(error) {}
@@ -137,7 +138,7 @@ class TarSource {
       *block = memory_.data() + memory_offset_;
       memory_offset_ += count;
     }
-    remember(*block, count);
+    remember(count);
     return count;
   }
 
@@ -153,13 +154,14 @@ class TarSource {
   std::optional<uint64_t> size() const { return stream_ ? stream_->size() : size_; }
 
   // True when the stream ended exactly where the reader stopped consuming
-  // (`consumed` bytes since the last give_back(), libarchive's count) and
-  // its last block is not an end-of-archive block.
-  bool ends_mid_archive(int64_t consumed) const {
+  // (`consumed` bytes since the last give_back(), libarchive's count) with
+  // no end-of-archive block after the last entry, whose header and padded
+  // data ended at `last_entry_end` (same count). Not the last block's bytes:
+  // a member's data may well end in a block of zeros.
+  bool ends_mid_archive(int64_t consumed, int64_t last_entry_end) const {
     if (!exhausted_ || delivered_ == 0 || consumed < 0) return false;
     if (consumed_before_ + static_cast<uint64_t>(consumed) != delivered_) return false;
-    return std::any_of(tail_.begin(), tail_.begin() + static_cast<std::ptrdiff_t>(tail_size_),
-                       [](uint8_t byte) { return byte != 0; });
+    return consumed - last_entry_end < static_cast<int64_t>(kTarBlockBytes);
   }
 
  private:
@@ -179,21 +181,12 @@ class TarSource {
     return count;
   }
 
-  void remember(const uint8_t* bytes, size_t count) {
+  void remember(size_t count) {
     if (count == 0) {
       exhausted_ = true;
       return;
     }
     delivered_ += count;
-    if (count >= kTarBlockBytes) {
-      std::memcpy(tail_.data(), bytes + count - kTarBlockBytes, kTarBlockBytes);
-      tail_size_ = kTarBlockBytes;
-      return;
-    }
-    const size_t kept = std::min(tail_size_, kTarBlockBytes - count);
-    std::memmove(tail_.data(), tail_.data() + tail_size_ - kept, kept);
-    std::memcpy(tail_.data() + kept, bytes, count);
-    tail_size_ = kept + count;
   }
 
   int fd_ = -1;
@@ -208,8 +201,6 @@ class TarSource {
   std::optional<std::vector<uint8_t>> given_back_;  // handed out by the next next_block()
   std::vector<uint8_t> handed_back_;                // what it handed out, alive until the call after
   uint64_t consumed_before_ = 0;                    // of the archive, before what was given back
-  std::array<uint8_t, kTarBlockBytes> tail_{};
-  size_t tail_size_ = 0;
 };
 
 }  // namespace conveyor::detail

@@ -1636,6 +1636,91 @@ TEST(TarNodes, AnArchiveCutAtAMemberBoundaryIsNotSilentlyShort) {
   }
 }
 
+// A shard cut right after a member whose data ends in a block of zeros (a
+// mask, a tensor): those zeros are the member's, not an end-of-archive
+// block, and the cut is reported by either reader, from bytes or streamed,
+// and by the shard dataset.
+TEST(TarNodes, AnArchiveCutAfterAMemberEndingInZerosIsNotSilentlyShort) {
+  TempDir dir;
+  const std::string path = dir.file("z-000000.tar");
+  UstarBuilder builder;
+  builder.file("000000.txt", "zero").file("000000.mask", std::string(1024, '\0'));
+  builder.file("000001.txt", "one").file("000001.mask", std::string(1024, '\0'));
+  std::vector<uint8_t> bytes = builder.bytes();
+  bytes.resize(header_offset(bytes, "000001.txt"));  // after 000000.mask, without end-of-archive blocks
+  write_bytes(path, bytes);
+  for (const nodes::TarReader reader : {nodes::TarReader::automatic, nodes::TarReader::libarchive}) {
+    for (const bool streamed : {false, true}) {
+      SCOPED_TRACE(std::string(reader == nodes::TarReader::automatic ? "plain reader" : "libarchive") +
+                   (streamed ? ", streamed" : ", from bytes"));
+      auto pipeline = members(dir.file(""), streamed, {.reader = reader});
+      auto pass = pipeline.pass();
+      std::vector<std::string> events;
+      while (true) {
+        try {
+          auto member = pass.next();
+          if (!member) break;
+          events.push_back(member->name);
+        } catch (const DataError& e) {
+          EXPECT_EQ(e.member(), "000000.mask");
+          EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
+          events.push_back("error");
+        }
+      }
+      EXPECT_EQ(events, (std::vector<std::string>{"000000.txt", "000000.mask", "error"}));
+    }
+  }
+  TarShardDataset dataset(with_policy({path}, OnError::raise));
+  const Drained drained = drain_with_errors(dataset);
+  EXPECT_TRUE(drained.keys.empty()) << "the cut sample, which may lack fields, went out";
+  ASSERT_EQ(drained.errors.size(), 1u);
+  EXPECT_TRUE(mentions(drained.errors[0], "end-of-archive")) << drained.errors[0].what();
+
+  // The same archive whole: its end-of-archive blocks are told from the zeros before them.
+  write_bytes(path, builder.bytes());
+  for (const nodes::TarReader reader : {nodes::TarReader::automatic, nodes::TarReader::libarchive}) {
+    auto whole = members(dir.file(""), true, {.reader = reader});
+    EXPECT_EQ(conveyor::testing::one_pass(whole).size(), 4u);
+  }
+}
+
+// The same shard read twice in a row (a shard list that names it twice,
+// repeat() over one shard) is two archives: each reading gives all its
+// samples, none refused as a key met again.
+TEST(TarNodes, AShardReadTwiceInARowGivesItsSamplesEachTime) {
+  TempDir dir;
+  const std::vector<std::string> shards = write_samples(dir.file("r-"), 3, 3);
+  ASSERT_EQ(shards.size(), 1u);
+  const auto keys_of = [](auto& pipeline) {
+    std::vector<std::string> out;
+    auto pass = pipeline.pass();
+    while (true) {
+      try {
+        auto sample = pass.next();
+        if (!sample) break;
+        out.push_back(sample->key);
+      } catch (const DataError& e) {
+        out.push_back(std::string("error: ") + e.what());
+      }
+    }
+    return out;
+  };
+  std::vector<std::string> expected;
+  for (int reading = 0; reading < 3; ++reading) {
+    for (const std::string& key : key_range(0, 3)) expected.push_back(key);
+  }
+  auto listed_thrice = nodes::from_vector(std::vector<std::string>(3, shards[0])) | nodes::untar() | nodes::group_by_key();
+  EXPECT_EQ(keys_of(listed_thrice), expected);
+  auto repeated = nodes::from_vector(std::vector<std::string>{shards[0]}) | nodes::repeat(3) | nodes::read_files() |
+                  nodes::untar() | nodes::group_by_key();
+  EXPECT_EQ(keys_of(repeated), expected);
+
+  TarShardDataset dataset(with_policy({shards[0], shards[0]}, OnError::raise));
+  const Drained drained = drain_with_errors(dataset);
+  EXPECT_TRUE(drained.errors.empty()) << drained.errors.front().what();
+  EXPECT_EQ(drained.keys.size(), 6u);
+}
+
 TEST(TarNodes, AMemberOverTheLimitIsRefusedFromItsHeader) {
   TempDir dir;
   TarShardWriter writer(dir.file("big-"), 10);

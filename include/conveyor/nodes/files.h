@@ -125,7 +125,10 @@ struct GroupByKeyOptions {
   OnError on_error = OnError::raise;
 };
 // Pipeline<TarMember> -> Pipeline<ShardSample>: TarShardDataset's reader is
-// from_vector(shards) | untar() | group_by_key().
+// from_vector(shards) | untar() | group_by_key(). Straight after untar, the
+// same shard read twice in a row (repeat(), a list naming it twice) is two
+// archives; with a node between them, members tell archives apart by
+// TarMember::archive alone, so such a repeat reads as keys met again.
 std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key(GroupByKeyOptions options = {});
 
 // Pipeline<std::vector<uint8_t>> -> Pipeline<Array<uint8_t>>; `channels` as

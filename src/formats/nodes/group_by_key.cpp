@@ -93,6 +93,7 @@ class KeySet {
 // A bad sample, whose other members are dropped.
 struct Rejected {
   std::string archive;
+  uint64_t opening = 0;  // which reading of it (GroupByKey::opening_)
   std::string key;
   int64_t index = 0;
 };
@@ -141,7 +142,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
       }
       // (A pending member is still the last one untar admitted.)
       const std::string& member_archive = gated_ ? admitted_archive_ : member->archive;
-      if (member_archive != archive_) {
+      if (member_archive != archive_ || admitted_opening_ != opening_) {
         if (open_) {
           pending_ = std::move(member);  // starts the next archive
           if (std::optional<ShardSample> sample = finish()) return sample;
@@ -191,9 +192,10 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   // members came here: they keep their numbers.
   void start_archive(const std::string& archive) {
     archive_ = archive;
+    opening_ = admitted_opening_;
     seen_keys_.clear();
     next_index_ = 0;
-    if (rejected_ && rejected_->archive == archive) {
+    if (rejected_ && rejected_->archive == archive && rejected_->opening == opening_) {
       seen_keys_.insert(rejected_->key);
       next_index_ = rejected_->index + 1;
     } else {
@@ -204,7 +206,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   // A bad sample: its remaining members are dropped unread.
   [[noreturn]] void reject(const std::string& what, const std::string& member_or_key, std::string_view key,
                            int64_t index) {
-    rejected_ = Rejected{archive_, std::string(key), index};
+    rejected_ = Rejected{archive_, opening_, std::string(key), index};
     open_.reset();
     throw DataError(what, archive_, member_or_key, index);
   }
@@ -266,12 +268,15 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     return std::move(open.sample);
   }
 
+  void archive_started() noexcept override { ++admitted_opening_; }
+
   // untar asks before reading a member's data.
   detail::Admission admit(const std::string& archive, const std::string& member, uint64_t declared) override {
     if (archive != admitted_archive_) admitted_archive_ = archive;
     const detail::MemberName name = detail::split_member_name(member);
-    if (rejected_ && rejected_->archive == archive && rejected_->key == name.key) return detail::Admission::skip;
-    const bool same_archive = archive == archive_;
+    const bool rejected_archive = rejected_ && rejected_->archive == archive && rejected_->opening == admitted_opening_;
+    if (rejected_archive && rejected_->key == name.key) return detail::Admission::skip;
+    const bool same_archive = archive == archive_ && admitted_opening_ == opening_;
     const bool joins_open = same_archive && open_ && open_->sample.key == name.key;
     const uint64_t before = joins_open ? open_->bytes : 0;
     if (declared <= limit() - std::min(limit(), before)) return detail::Admission::read;
@@ -284,10 +289,10 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     } else if (same_archive) {
       index = next_index_++;
       seen_keys_.insert(name.key);
-    } else if (rejected_ && rejected_->archive == archive) {
+    } else if (rejected_archive) {
       index = rejected_->index + 1;  // the next archive's samples, before any reached here
     }
-    rejected_ = Rejected{archive, std::string(name.key), index};
+    rejected_ = Rejected{archive, admitted_opening_, std::string(name.key), index};
     meter_.skipped.add(1);
     return detail::Admission::skip;
   }
@@ -297,7 +302,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::optional<ShardSample> on_upstream_error(const DataError& error) {
     std::optional<OpenSample> whole;
     int64_t index = error.sample();
-    const bool same_archive = error.file() == archive_;
+    const bool same_archive = error.file() == archive_ && admitted_opening_ == opening_;
     if (!error.member().empty()) {
       const detail::MemberName name = detail::split_member_name(error.member());
       if (!same_archive) {
@@ -312,7 +317,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         index = next_index_++;
         seen_keys_.insert(name.key);
       }
-      rejected_ = Rejected{error.file(), std::string(name.key), index};
+      rejected_ = Rejected{error.file(), opening_, std::string(name.key), index};
     } else if (same_archive && open_) {
       index = open_->index;  // the archive failed inside the open sample
       open_.reset();
@@ -329,6 +334,10 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::string archive_;  // of the members seen last
   bool gated_ = false;   // straight after untar, whose members carry no archive
   std::string admitted_archive_;  // the archive of untar's last member (gated_)
+  // Archives untar has started (gated_; 0 without a gate), and the count at
+  // the start of archive_: a shard read twice in a row is two archives.
+  uint64_t admitted_opening_ = 0;
+  uint64_t opening_ = 0;
   KeySet seen_keys_;
   int64_t next_index_ = 0;
   size_t fields_per_sample_ = 2;  // of the last sample finished

@@ -35,9 +35,16 @@ enum class Admission {
 // gate knows its archive from admit(): a gated untar leaves
 // TarMember::archive empty rather than copy the path into every member
 // (two allocations per sample on the thread that feeds the workers).
+//
+// An archive is told apart from the one before it by archive_started(), not
+// by its path: the same shard read twice in a row (repeat(), a shard list
+// that names it twice) is two archives, whose keys may repeat.
 class MemberGate {
  public:
   virtual Admission admit(const std::string& archive, const std::string& member, uint64_t declared_bytes) = 0;
+  // untar takes its next archive, before opening it: an error opening it,
+  // and the members after, are that archive's.
+  virtual void archive_started() noexcept = 0;
 
  protected:
   ~MemberGate() = default;

@@ -54,6 +54,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       if (!archive_ && !plain_) {
         std::optional<Input> input = next_input();
         if (!input) return std::nullopt;
+        if (gate_ != nullptr) gate_->archive_started();
         try {
           open(std::move(*input));
         } catch (const DataError&) {
@@ -137,6 +138,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   // archive's first header, and would refuse what libarchive reads well
   // after one.
   void start_libarchive(bool from_start) {
+    last_entry_end_ = 0;
     archive_.reset(archive_read_new());
     if (!archive_) throw DataError("cannot allocate a libarchive reader", current_.path);
     const int status = from_start ? archive_read_support_format_tar(archive_.get())
@@ -226,10 +228,19 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       struct archive_entry* entry = nullptr;
       const int status = archive_read_next_header(archive_.get(), &entry);
       if (status == ARCHIVE_EOF) {
-        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1))) throw cut_at_member_boundary();
+        if (source_->ends_mid_archive(archive_filter_bytes(archive_.get(), -1), last_entry_end_)) {
+          throw cut_at_member_boundary();
+        }
         return std::nullopt;
       }
       if (!succeeded(status)) throw corrupt_header(archive_reason(archive_.get()));
+      // Where this entry's padded data ends: libarchive consumes it by the
+      // next header, and an end-of-archive block must follow.
+      const int64_t data_bytes = archive_entry_size_is_set(entry) ? std::max<int64_t>(archive_entry_size(entry), 0) : 0;
+      last_entry_end_ = archive_filter_bytes(archive_.get(), -1) +
+                        (data_bytes + static_cast<int64_t>(conveyor::detail::kTarBlockBytes) - 1) /
+                            static_cast<int64_t>(conveyor::detail::kTarBlockBytes) *
+                            static_cast<int64_t>(conveyor::detail::kTarBlockBytes);
       // Directories, links and devices carry no sample data (WebDataset
       // skips them too); libarchive skips their data at the next header.
       if (archive_entry_filetype(entry) != AE_IFREG || archive_entry_hardlink(entry) != nullptr) continue;
@@ -258,7 +269,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
         throw corrupt_header(failure.what());
       }
       if (next == Next::end) {
-        if (source_->ends_mid_archive(static_cast<int64_t>(plain_->consumed()))) throw cut_at_member_boundary();
+        if (plain_->ended_without_end_block()) throw cut_at_member_boundary();
         return std::optional<TarMember>();
       }
       if (next == Next::hand_over) {
@@ -364,6 +375,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   std::unique_ptr<conveyor::detail::TarSource> source_;  // not movable: archive_ points at it
   std::optional<conveyor::detail::PlainTarReader> plain_;  // reads the archive until it hands it to archive_
   std::unique_ptr<struct archive, ArchiveFree> archive_;
+  int64_t last_entry_end_ = 0;  // libarchive's count where its last entry's padded data ends
 };
 
 }  // namespace

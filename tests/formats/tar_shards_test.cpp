@@ -1477,6 +1477,46 @@ std::vector<std::string> check_resumes_anywhere(Make make, Show show, const std:
 // Each file read_files cannot read is a DataError naming it, in its place,
 // or (skip) dropped and counted; a pass resumed after any item gives the
 // rest as the whole pass did.
+// A recursive listing that fails part-way (here out of file descriptors,
+// as a network file system may fail it) is a DataError, and the next pass
+// lists afresh: every file once, sorted, nothing kept from the failed try.
+TEST(FileNodes, AListingThatFailedPartWayLeavesNothingBehind) {
+  TempDir dir;
+  std::vector<std::string> expected;
+  std::string level = dir.file("");
+  for (int depth = 0; depth < 8; ++depth) {
+    for (int i = 0; i < 4; ++i) {
+      const std::string path = level + "/f" + std::to_string(depth) + "-" + std::to_string(i) + ".tar";
+      write_bytes(path, text("x"));
+      expected.push_back(fs::path(path).lexically_normal().string());
+    }
+    level += "/d" + std::to_string(depth);
+    fs::create_directories(level);
+  }
+  auto pipeline = nodes::list_files(dir.file(""), "*.tar", {.recursive = true});
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  const auto open_now = static_cast<rlim_t>(std::distance(fs::directory_iterator("/proc/self/fd"), {}));
+  rlimit low = before;
+  low.rlim_cur = open_now + 2;  // the root and one level below it, no deeper
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  bool failed = false;
+  try {
+    auto pass = pipeline.pass();
+    while (pass.next()) {
+    }
+  } catch (const DataError& e) {
+    failed = true;
+    EXPECT_TRUE(mentions(e, "cannot list")) << e.what();
+  }
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  ASSERT_TRUE(failed) << "the listing went 8 levels deep with " << low.rlim_cur << " descriptors";
+  std::vector<std::string> listed;
+  for (std::string& path : pipeline.pass()) listed.push_back(fs::path(path).lexically_normal().string());
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(listed, expected);
+}
+
 TEST(FileNodes, ReadFilesRaisesOrSkipsAFileItCannotReadAndResumesEitherWay) {
   TempDir dir;
   write_bytes(dir.file("one"), text("first"));

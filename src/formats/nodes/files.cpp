@@ -43,13 +43,17 @@ class ListFiles final : public Source<std::string> {
   }
 
  private:
+  // Into paths_ only when whole: a listing that fails part-way (EMFILE, a
+  // network file system's hiccup) leaves nothing behind for the next
+  // pass's listing to add to.
   void list() {
     std::error_code error;
     if (!fs::is_directory(root_, error)) throw DataError("list_files: not a directory", root_);
+    std::vector<std::string> paths;
     auto consider = [&](const fs::directory_entry& entry) {
       if (!entry.is_regular_file(error)) return;
       const std::string file = entry.path().filename().string();
-      if (fnmatch(glob_.c_str(), file.c_str(), 0) == 0) paths_.push_back(entry.path().string());
+      if (fnmatch(glob_.c_str(), file.c_str(), 0) == 0) paths.push_back(entry.path().string());
     };
     if (options_.recursive) {
       for (fs::recursive_directory_iterator it(root_, error), end; !error && it != end; it.increment(error)) consider(*it);
@@ -57,7 +61,8 @@ class ListFiles final : public Source<std::string> {
       for (fs::directory_iterator it(root_, error), end; !error && it != end; it.increment(error)) consider(*it);
     }
     if (error) throw DataError("list_files: cannot list: " + error.message(), root_);
-    std::sort(paths_.begin(), paths_.end());  // the same order on every machine
+    std::sort(paths.begin(), paths.end());  // the same order on every machine
+    paths_ = std::move(paths);
     listed_ = true;
   }
 

@@ -1861,6 +1861,43 @@ TEST(TarNodes, GroupByKeyChecksSamplesTheSameWhereverItStands) {
   EXPECT_EQ(errors, expected.errors);
 }
 
+// group_by_key's refusals are its own to raise or skip, whatever untar's
+// policy: an untar that skips its own bad members does not swallow them,
+// and a sample that lost a member to one never goes out without it. Keys
+// refused before any member of their archive reached group_by_key are all
+// remembered, so a later member of one is a key met again there too.
+TEST(TarNodes, GroupByKeyRefusalsAreItsOwnWhateverUntarsPolicy) {
+  TempDir dir;
+  const std::string path = dir.file("refused.tar");
+  UstarBuilder builder;
+  builder.file("000000.jpg", std::string(10, 'j')).file("000000.big", std::string(5000, 'b'));
+  builder.file("000000.cls", "0").file("000001.jpg", std::string(10, 'j')).file("000001.cls", "1");
+  write_bytes(path, builder.bytes());
+  auto paths = [](const std::string& p) { return nodes::from_vector(std::vector<std::string>{p}); };
+  const Events refused{{"000001"}, {path + "|000000.big|0"}};
+  auto lenient_untar = paths(path) | nodes::untar({.on_error = OnError::skip}) |
+                       nodes::group_by_key({.max_sample_bytes = 100});
+  EXPECT_EQ(drain_events(lenient_untar), refused);
+  auto both_skip = paths(path) | nodes::untar({.on_error = OnError::skip}) |
+                   nodes::group_by_key({.max_sample_bytes = 100, .on_error = OnError::skip});
+  EXPECT_EQ(keys(conveyor::testing::one_pass(both_skip)), refused.keys);
+  EXPECT_EQ(both_skip.metrics().back().skipped, 1u);
+
+  const std::string ahead = dir.file("refused-ahead.tar");
+  UstarBuilder refused_first;
+  refused_first.file("k0.bin", std::string(500, 'a')).file("k1.bin", std::string(500, 'b'));
+  refused_first.file("k2.bin", std::string(10, 'c')).file("k0.txt", std::string(10, 'd'));
+  write_bytes(ahead, refused_first.bytes());
+  const nodes::GroupByKeyOptions skipping{.max_sample_bytes = 100, .on_error = OnError::skip};
+  auto gated = paths(ahead) | nodes::untar() | nodes::group_by_key(skipping);
+  auto behind_a_map =
+      paths(ahead) | nodes::untar() | nodes::map([](nodes::TarMember m) { return m; }) | nodes::group_by_key(skipping);
+  for (auto* pipeline : {&gated, &behind_a_map}) {
+    EXPECT_EQ(keys(conveyor::testing::one_pass(*pipeline)), std::vector<std::string>{"k2"});
+    EXPECT_EQ(pipeline->metrics().back().skipped, 3u) << "k0 and k1 over the limit, k0 again after k2";
+  }
+}
+
 // Keys are remembered per archive (hundreds of them, past the key set's
 // growth) and forgotten at the next; each sample names its own archive,
 // straight after untar (whose members then carry no archive: group_by_key

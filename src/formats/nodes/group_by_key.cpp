@@ -196,11 +196,13 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     seen_keys_.clear();
     next_index_ = 0;
     if (rejected_ && rejected_->archive == archive && rejected_->opening == opening_) {
+      for (const std::string& key : keys_refused_ahead_) seen_keys_.insert(key);
       seen_keys_.insert(rejected_->key);
       next_index_ = rejected_->index + 1;
     } else {
       rejected_.reset();
     }
+    keys_refused_ahead_.clear();
   }
 
   // A bad sample: its remaining members are dropped unread.
@@ -289,8 +291,13 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     } else if (same_archive) {
       index = next_index_++;
       seen_keys_.insert(name.key);
-    } else if (rejected_archive) {
-      index = rejected_->index + 1;  // the next archive's samples, before any reached here
+    } else {
+      // The next archive's samples, refused before any member reached
+      // here: every key is kept for start_archive(), or a later member of
+      // one would pass for a sample of its own.
+      if (!rejected_archive) keys_refused_ahead_.clear();
+      keys_refused_ahead_.emplace_back(name.key);
+      if (rejected_archive) index = rejected_->index + 1;
     }
     rejected_ = Rejected{archive, admitted_opening_, std::string(name.key), index};
     meter_.skipped.add(1);
@@ -342,6 +349,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   int64_t next_index_ = 0;
   size_t fields_per_sample_ = 2;  // of the last sample finished
   std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
+  std::vector<std::string> keys_refused_ahead_;  // by admit(), in the archive before start_archive() reached it
   std::optional<OpenSample> open_;
   std::optional<TarMember> pending_;
   std::exception_ptr error_;  // thrown at the next call, after the sample before it

@@ -70,7 +70,10 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       } catch (const DataError&) {
         if (!member_refused_) close();  // the archive cannot be read further
         member_refused_ = false;
-        if (options_.on_error == OnError::raise) throw;
+        // The gate's refusal is group_by_key's to raise or skip (it skips
+        // without throwing): never swallowed here, or the sample would go
+        // on without the member.
+        if (std::exchange(gate_refused_, false) || options_.on_error == OnError::raise) throw;
         this->meter_.skipped.add(1);
       }
     }
@@ -305,6 +308,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
         if (gate_->admit(current_.path, last_member_, declared) == detail::Admission::skip) return false;
       } catch (const DataError&) {
         member_refused_ = true;
+        gate_refused_ = true;
         throw;
       }
     }
@@ -370,6 +374,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
   std::exception_ptr ahead_error_;             // upstream threw instead: thrown at its turn
   detail::MemberGate* gate_ = nullptr;
   bool member_refused_ = false;  // the error being thrown is one member's: the archive goes on
+  bool gate_refused_ = false;    // ... and the gate's (group_by_key's) refusal
   FileBytes current_;            // the archive's path, and its bytes when it came as bytes
   std::string last_member_;
   std::unique_ptr<conveyor::detail::TarSource> source_;  // not movable: archive_ points at it

@@ -1255,6 +1255,26 @@ conveyor::Pipeline<nodes::TarMember> members(const std::string& directory, bool 
   return std::move(paths) | nodes::read_files() | nodes::untar(options);
 }
 
+// A pass's outcomes in order: each item as `name_of` names it, and each
+// DataError as "error", once `check` has looked at it.
+template <class T, class NameOf, class Check>
+std::vector<std::string> outcomes_of(conveyor::Pipeline<T>& pipeline, NameOf name_of, Check check) {
+  std::vector<std::string> events;
+  auto pass = pipeline.pass();
+  while (true) {
+    try {
+      auto item = pass.next();
+      if (!item) return events;
+      events.push_back(name_of(*item));
+    } catch (const DataError& e) {
+      check(e);
+      events.push_back("error");
+    }
+  }
+}
+const auto member_name = [](const nodes::TarMember& member) { return member.name; };
+const auto sample_key = [](const ShardSample& sample) { return sample.key; };
+
 TEST(TarNodes, UntarStreamedFromAPathGivesWhatUntarOfItsBytesGives) {
   TempDir dir;
   write_samples(dir.file("part-"), 23, 5);
@@ -1334,18 +1354,9 @@ TEST(TarNodes, ACorruptArchiveIsADataErrorInItsPlaceOrSkippedAndCounted) {
   write_bytes(dir.file("a-000000x.tar"), garbage);  // sorts between the two
   for (bool streamed : {false, true}) {
     auto raising = members(dir.file(""), streamed) | nodes::group_by_key();
-    auto pass = raising.pass();
-    std::vector<std::string> events;
-    while (true) {
-      try {
-        auto sample = pass.next();
-        if (!sample) break;
-        events.push_back(sample->key);
-      } catch (const DataError& e) {
-        EXPECT_NE(std::string(e.what()).find("a-000000x.tar"), std::string::npos) << e.what();
-        events.push_back("error");
-      }
-    }
+    const std::vector<std::string> events = outcomes_of(raising, sample_key, [](const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("a-000000x.tar"), std::string::npos) << e.what();
+    });
     EXPECT_EQ(events, (std::vector<std::string>{"000000", "000001", "000002", "error", "000003", "000004", "000005"}))
         << (streamed ? "streamed" : "from bytes");
     auto skipping = members(dir.file(""), streamed, {.on_error = OnError::skip}) | nodes::group_by_key();
@@ -1653,20 +1664,11 @@ TEST(TarNodes, AnArchiveCutAtAMemberBoundaryIsNotSilentlyShort) {
   write_bytes(paths[0], bytes);
   for (bool streamed : {false, true}) {
     auto raising = members(dir.file(""), streamed);
-    auto pass = raising.pass();
-    std::vector<std::string> events;
-    while (true) {
-      try {
-        auto member = pass.next();
-        if (!member) break;
-        events.push_back(member->name);
-      } catch (const DataError& e) {
-        EXPECT_EQ(e.file(), paths[0]);
-        EXPECT_EQ(e.member(), "000002.cls");
-        EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
-        events.push_back("error");
-      }
-    }
+    const std::vector<std::string> events = outcomes_of(raising, member_name, [&](const DataError& e) {
+      EXPECT_EQ(e.file(), paths[0]);
+      EXPECT_EQ(e.member(), "000002.cls");
+      EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
+    });
     EXPECT_EQ(events, (std::vector<std::string>{"000000.bin", "000000.cls", "000001.bin", "000001.cls", "000002.bin",
                                                 "000002.cls", "error"}))
         << (streamed ? "streamed" : "from bytes");
@@ -1694,19 +1696,10 @@ TEST(TarNodes, AnArchiveCutAfterAMemberEndingInZerosIsNotSilentlyShort) {
       SCOPED_TRACE(std::string(reader == nodes::TarReader::automatic ? "plain reader" : "libarchive") +
                    (streamed ? ", streamed" : ", from bytes"));
       auto pipeline = members(dir.file(""), streamed, {.reader = reader});
-      auto pass = pipeline.pass();
-      std::vector<std::string> events;
-      while (true) {
-        try {
-          auto member = pass.next();
-          if (!member) break;
-          events.push_back(member->name);
-        } catch (const DataError& e) {
-          EXPECT_EQ(e.member(), "000000.mask");
-          EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
-          events.push_back("error");
-        }
-      }
+      const std::vector<std::string> events = outcomes_of(pipeline, member_name, [](const DataError& e) {
+        EXPECT_EQ(e.member(), "000000.mask");
+        EXPECT_TRUE(mentions(e, "end-of-archive")) << e.what();
+      });
       EXPECT_EQ(events, (std::vector<std::string>{"000000.txt", "000000.mask", "error"}));
     }
   }
@@ -1732,18 +1725,7 @@ TEST(TarNodes, AShardReadTwiceInARowGivesItsSamplesEachTime) {
   const std::vector<std::string> shards = write_samples(dir.file("r-"), 3, 3);
   ASSERT_EQ(shards.size(), 1u);
   const auto keys_of = [](auto& pipeline) {
-    std::vector<std::string> out;
-    auto pass = pipeline.pass();
-    while (true) {
-      try {
-        auto sample = pass.next();
-        if (!sample) break;
-        out.push_back(sample->key);
-      } catch (const DataError& e) {
-        out.push_back(std::string("error: ") + e.what());
-      }
-    }
-    return out;
+    return outcomes_of(pipeline, sample_key, [](const DataError& e) { ADD_FAILURE() << e.what(); });
   };
   std::vector<std::string> expected;
   for (int reading = 0; reading < 3; ++reading) {

@@ -294,20 +294,24 @@ TEST_F(UringSubmitFails, FailedSubmitsAmongManyInFlightFailOnlyTheirFiles) {
   EXPECT_EQ(k, paths.size());
 }
 
-// The destructor's stop entry not taken at first: it is submitted again,
-// and the node goes (its ring thread does not wait for it for ever).
-TEST_F(UringSubmitFails, TheStopIsSubmittedAgainUntilTaken) {
+// A node that read its files, then is destroyed with the next
+// `failed_submits` io_uring_submit calls failing: returns once it went.
+void read_then_destroy_with_failing_submits(int failed_submits) {
   Dir dir;
   std::vector<std::string> paths;
   for (int i = 0; i < 4; ++i) paths.push_back(dir.file("t" + std::to_string(i), 1000));
-  {
-    auto pipeline = nodes::from_vector(paths) |
-                    nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
-    size_t k = 0;
-    for (FileBytes& file : pipeline.pass()) EXPECT_EQ(file.bytes, contents(paths[k++]));
-    EXPECT_EQ(k, paths.size());
-    nodes::detail::fail_uring_submits(0, 3);
-  }
+  auto pipeline = nodes::from_vector(paths) |
+                  nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
+  size_t k = 0;
+  for (FileBytes& file : pipeline.pass()) EXPECT_EQ(file.bytes, contents(paths[k++]));
+  EXPECT_EQ(k, paths.size());
+  nodes::detail::fail_uring_submits(0, failed_submits);
+}
+
+// The destructor's stop entry not taken at first: the node goes (its ring
+// thread does not wait for it for ever).
+TEST_F(UringSubmitFails, TheStopIsSubmittedAgainUntilTaken) {
+  read_then_destroy_with_failing_submits(3);
   SUCCEED() << "the node went";
 }
 
@@ -318,17 +322,7 @@ TEST_F(UringSubmitFails, TheNodeGoesEvenIfTheStopIsNeverTaken) {
   if (!nodes::detail::uring_stop_is_bounded()) {
     GTEST_SKIP() << "this kernel's io_uring waits without a timeout (IORING_FEAT_EXT_ARG, Linux 5.11)";
   }
-  Dir dir;
-  std::vector<std::string> paths;
-  for (int i = 0; i < 4; ++i) paths.push_back(dir.file("n" + std::to_string(i), 1000));
-  {
-    auto pipeline = nodes::from_vector(paths) |
-                    nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
-    size_t k = 0;
-    for (FileBytes& file : pipeline.pass()) EXPECT_EQ(file.bytes, contents(paths[k++]));
-    EXPECT_EQ(k, paths.size());
-    nodes::detail::fail_uring_submits(0, 1'000'000'000);
-  }
+  read_then_destroy_with_failing_submits(1'000'000'000);
   SUCCEED() << "the node went";
 }
 

@@ -921,6 +921,87 @@ TEST(Combine, JoinTakesFromWhicheverIsReadyAndLosesNothing) {
 
 // An upstream error is an item of the fork: each consumer meets it in its
 // place, whichever consumer's pull met it first, and goes on past it.
+// A pass's outcomes as text: items by `show`, errors as "error at P".
+template <class T, class Show>
+std::vector<std::string> outcomes_as_text(Pipeline<T>& pipeline, Show show) {
+  std::vector<std::string> got;
+  auto pass = pipeline.pass();
+  for (int guard = 0; guard < 1000; ++guard) {  // a node that never ends fails here, not by hanging
+    try {
+      std::optional<T> item = pass.next();
+      if (!item) return got;
+      got.push_back(show(*item));
+    } catch (const conveyor::NodeError& e) {
+      got.push_back("error at " + std::to_string(e.position()));
+    }
+  }
+  ADD_FAILURE() << "the pass did not end after 1000 outcomes";
+  return got;
+}
+
+// A failed item of either input of zip is the pair's error, in its place;
+// the other input's item there goes with it, and every later pair is
+// still a's item k with b's item k (both polled and waited for).
+TEST(Combine, AZipInputsFailedItemKeepsThePairsAligned) {
+  const auto failing_at = [](int64_t first, int64_t bad) {
+    return nodes::from_range(first, first + 5) | nodes::map([bad](int64_t x) {
+             if (x == bad) throw std::runtime_error("fails on " + std::to_string(x));
+             return x;
+           });
+  };
+  const auto show = [](const std::pair<int64_t, int64_t>& pair) {
+    return std::to_string(pair.first) + "," + std::to_string(pair.second);
+  };
+  auto a_fails = nodes::zip(failing_at(0, 1), nodes::from_range(100, 105));
+  EXPECT_EQ(outcomes_as_text(a_fails, show),
+            (std::vector<std::string>{"0,100", "error at 1", "2,102", "3,103", "4,104"}));
+  auto b_fails = nodes::zip(nodes::from_range(0, 5), failing_at(100, 101));
+  EXPECT_EQ(outcomes_as_text(b_fails, show),
+            (std::vector<std::string>{"0,100", "error at 1", "2,102", "3,103", "4,104"}));
+  auto both_fail = nodes::zip(failing_at(0, 3), failing_at(100, 103));
+  EXPECT_EQ(outcomes_as_text(both_fail, show),
+            (std::vector<std::string>{"0,100", "1,101", "2,102", "error at 3", "4,104"}));
+  // Polled: the same pairs, "not yet" in between.
+  auto polled = nodes::zip(failing_at(0, 1), nodes::from_range(100, 105) | nodes::prefetch(2));
+  std::vector<std::string> got;
+  {
+    auto pass = polled.pass();
+    while (true) {
+      std::optional<std::pair<int64_t, int64_t>> pair;
+      try {
+        const conveyor::Poll poll = pass.try_next(pair);
+        if (poll == conveyor::Poll::end) break;
+        if (poll == conveyor::Poll::pending) continue;
+        got.push_back(show(*pair));
+      } catch (const conveyor::NodeError& e) {
+        got.push_back("error at " + std::to_string(e.position()));
+      }
+    }
+  }
+  EXPECT_EQ(got, (std::vector<std::string>{"0,100", "error at 1", "2,102", "3,103", "4,104"}));
+}
+
+// A lazy range that throws as flat_map reads it is the item's NodeError,
+// naming flat_map; the rest of that range is dropped and the pass goes on.
+TEST(Transforms, AFlatMapsLazyRangeThatThrowsIsANodeErrorAndThePassGoesOn) {
+  auto pipeline = nodes::from_range(0, 3) | nodes::flat_map([](int64_t x) {
+                    return std::views::iota(x * 10, x * 10 + 3) | std::views::transform([](int64_t v) {
+                             if (v == 11) throw std::runtime_error("element 11 fails");
+                             return v;
+                           });
+                  });
+  const auto show = [](int64_t v) { return std::to_string(v); };
+  EXPECT_EQ(outcomes_as_text(pipeline, show), (std::vector<std::string>{"0", "1", "2", "10", "error at 1", "20", "21", "22"}));
+  try {
+    auto pass = pipeline.pass();
+    while (pass.next()) {
+    }
+    ADD_FAILURE() << "no error";
+  } catch (const conveyor::NodeError& e) {
+    EXPECT_NE(std::string(e.what()).find("flat_map"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Combine, ForkGivesEveryConsumerEveryErrorInItsPlace) {
   for (const bool b_first : {false, true}) {
     auto outputs = nodes::fork(nodes::from_range(0, 6) | nodes::map([](int64_t x) {

@@ -94,6 +94,7 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
     });
     this->start_metering(pass, walk.next_id++);
     pending_a_.reset();
+    drop_b_ = false;
   }
   std::string name() const override { return "zip"; }
   uint64_t skip(uint64_t count, bool clean) override {
@@ -107,13 +108,41 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
   }
 
  private:
+  // A failed item of either input is the pair's error, in the pair's place:
+  // the other input's item at that place goes with it, or every later pair
+  // would be shifted by one. "Not yet" (UpstreamPending) keeps what was
+  // pulled for the next call.
   std::optional<item_type> produce() override {
+    if (drop_b_) {
+      try {
+        (void)this->meter_.wait([this] { return this->next_of(*b_); });
+      } catch (const detail::UpstreamPending&) {
+        throw;
+      } catch (...) {
+        // Its own failure: the pair was reported failed already.
+      }
+      drop_b_ = false;
+    }
     if (!pending_a_) {
-      pending_a_ = this->meter_.wait([this] { return this->next_of(*a_); });
+      try {
+        pending_a_ = this->meter_.wait([this] { return this->next_of(*a_); });
+      } catch (const detail::UpstreamPending&) {
+        throw;
+      } catch (...) {
+        drop_b_ = true;
+        throw;
+      }
       if (!pending_a_) return std::nullopt;
     }
-    // An error here keeps a's item for the next call.
-    std::optional<B> b = this->meter_.wait([this] { return this->next_of(*b_); });
+    std::optional<B> b;
+    try {
+      b = this->meter_.wait([this] { return this->next_of(*b_); });
+    } catch (const detail::UpstreamPending&) {
+      throw;
+    } catch (...) {
+      pending_a_.reset();
+      throw;
+    }
     if (!b) return std::nullopt;
     item_type out{std::move(*pending_a_), std::move(*b)};
     pending_a_.reset();
@@ -127,6 +156,7 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
   NodePtr<A> a_;
   NodePtr<B> b_;
   std::optional<A> pending_a_;
+  bool drop_b_ = false;  // a's item failed: b's at its place is dropped next
 };
 
 template <class A, class B>

@@ -115,10 +115,18 @@ class FlatMap final
         // A lazy range draws as it is read: from its item's generator too,
         // going on where f left it.
         const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
-        if (it_ != std::ranges::end(*current_)) {
-          Out out = std::move(*it_);
-          ++it_;
-          return out;
+        try {
+          if (it_ != std::ranges::end(*current_)) {
+            Out out = std::move(*it_);
+            ++it_;
+            return out;
+          }
+        } catch (...) {
+          // A lazy range that throws as it is read: the item's error, named,
+          // and the rest of its range dropped (read again, the same element
+          // would throw for ever).
+          current_.reset();
+          conveyor::detail::throw_node_error(name(), this->position());
         }
       }
       current_.reset();

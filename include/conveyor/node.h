@@ -54,6 +54,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -141,12 +142,22 @@ struct ResetWalk {
   // (save_extras) by id; null otherwise. Shared: a node that resets its
   // upstream again later in the pass (shuffle) keeps a copy of the walk.
   std::shared_ptr<const State> restoring;
+  // This reset starts the current pass over from its first item (a resumed
+  // shuffle that found its upstream ending sooner than it assumed). A fork
+  // cannot start over one branch while another shares its pass.
+  bool restart = false;
 };
 
 // What `walk` restores for node `id`, or nullptr.
 inline const State* restored_extras(const ResetWalk& walk, uint64_t id) {
   return walk.restoring ? walk.restoring->find(std::to_string(id)) : nullptr;
 }
+
+// Saved extras that only spare a resumed pass what it would learn anyway by
+// running (where a shuffle's upstream ended) hold this member, true: a pass
+// resumed without them (a round of repeat() more than one behind the saved
+// one) is still exact.
+inline constexpr std::string_view kHintOnly = "hint_only";
 
 // The walk's executor, made on first use.
 std::shared_ptr<Executor> walk_executor(ResetWalk& walk);

@@ -20,6 +20,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/pipelines.h"
@@ -697,6 +698,133 @@ TEST(PipelineResume, ACorruptSavedOrderIsRefused) {
     FAIL() << "a join state taking 2^33 items loaded";
   } catch (const StateError& error) {
     EXPECT_NE(std::string(error.what()).find("8589934592"), std::string::npos) << error.what();
+  }
+}
+
+// A shuffle resumes without starting its upstream over: the state says
+// where upstream ended, if it had. Behind a fork, starting over would start
+// the fork's shared pass anew, and the other branch would find it ended.
+TEST(PipelineResume, AShuffledForkBranchResumesBesideTheOtherBranch) {
+  for (const bool prefetched : {false, true}) {
+    auto make = [prefetched] {
+      auto branches = nodes::fork(nodes::from_range(0, 60), 2, 40);
+      auto pairs = nodes::zip(std::move(branches[0]) | nodes::shuffle(16), std::move(branches[1])) |
+                   nodes::map([](const std::pair<int64_t, int64_t>& pair) { return pair.first * 1000 + pair.second; });
+      return prefetched ? std::move(pairs) | nodes::prefetch(6) : std::move(pairs);
+    };
+    auto uninterrupted = make();
+    uninterrupted.seed(5);
+    const std::vector<int64_t> reference = conveyor::testing::one_pass(uninterrupted);
+    ASSERT_EQ(reference.size(), 60u);
+    for (const size_t stop : {size_t{1}, size_t{20}, size_t{44}, size_t{45}, size_t{52}, size_t{59}}) {
+      std::vector<int64_t> got;
+      std::string saved;
+      {
+        auto pipeline = make();
+        pipeline.seed(5);
+        auto pass = pipeline.pass();
+        for (size_t i = 0; i < stop; ++i) got.push_back(pass.next().value());
+        saved = pipeline.state().to_json();
+      }
+      auto pipeline = make();
+      pipeline.seed(5);
+      pipeline.load_state(State::from_json(saved));
+      auto pass = pipeline.pass();
+      while (std::optional<int64_t> pair = pass.next()) got.push_back(*pair);
+      EXPECT_EQ(got, reference) << "stopped after " << stop << (prefetched ? ", behind a prefetch" : "");
+    }
+  }
+}
+
+// Rounds of a repeat() that ran more than a round ahead of its consumer
+// resume with nothing saved for their shuffle: the shuffle learns where its
+// upstream ends by reaching it, and starts the round over if that is
+// sooner than it assumed.
+TEST(PipelineResume, AShuffleInARoundTheStateKeptNothingForResumesExactly) {
+  auto make = [] { return nodes::from_range(0, 6) | nodes::shuffle(4) | nodes::repeat(8) | nodes::prefetch(16); };
+  auto uninterrupted = make();
+  uninterrupted.seed(3);
+  const Outcomes reference = conveyor::testing::outcomes(uninterrupted);
+  ASSERT_EQ(reference.size(), 48u);
+  for (size_t stop = 0; stop <= reference.size(); ++stop) {
+    Outcomes got;
+    std::string saved;
+    {
+      auto pipeline = make();
+      pipeline.seed(3);
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, got));
+      saved = pipeline.state().to_json();
+    }
+    auto pipeline = make();
+    pipeline.seed(3);
+    pipeline.load_state(State::from_json(saved));
+    auto pass = pipeline.pass();
+    while (take_one(pass, got)) {
+    }
+    ASSERT_EQ(got, reference) << "stopped after " << stop;
+  }
+}
+
+// The same with what the shuffle saved taken out of the state (as in a
+// state of an older conveyor): alone it starts its upstream over where it
+// must; behind a fork, whose other branch shares that pass, it cannot, and
+// the pass says so instead of handing out less.
+TEST(PipelineResume, AShuffleStateWithoutWhereUpstreamEndedStillResumes) {
+  auto without_shuffle_entry = [](State state) {
+    State kept = State::object();
+    for (const auto& [id, saved] : state.at("nodes").members()) {
+      if (!saved.contains("upstream_items")) kept.set(id, saved);
+    }
+    state.set("nodes", std::move(kept));
+    return state;
+  };
+  auto alone = [] { return nodes::from_range(0, 30) | nodes::shuffle(8); };
+  auto uninterrupted = alone();
+  uninterrupted.seed(4);
+  const Outcomes reference = conveyor::testing::outcomes(uninterrupted);
+  for (const size_t stop : {size_t{3}, size_t{22}, size_t{23}, size_t{29}}) {
+    Outcomes got;
+    State saved;
+    {
+      auto pipeline = alone();
+      pipeline.seed(4);
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, got));
+      saved = pipeline.state();
+    }
+    if (stop >= 23) {
+      ASSERT_NE(saved.to_json().find("upstream_items"), std::string::npos) << "its upstream had ended";
+    }
+    auto pipeline = alone();
+    pipeline.seed(4);
+    pipeline.load_state(without_shuffle_entry(saved));
+    auto pass = pipeline.pass();
+    while (take_one(pass, got)) {
+    }
+    EXPECT_EQ(got, reference) << "stopped after " << stop;
+  }
+
+  auto forked = [] {
+    auto branches = nodes::fork(nodes::from_range(0, 30), 2, 40);
+    return nodes::zip(std::move(branches[0]) | nodes::shuffle(8), std::move(branches[1]));
+  };
+  State saved;
+  {
+    auto pipeline = forked();
+    auto pass = pipeline.pass();
+    for (int i = 0; i < 25; ++i) ASSERT_TRUE(pass.next());
+    saved = pipeline.state();
+  }
+  auto pipeline = forked();
+  pipeline.load_state(without_shuffle_entry(saved));
+  auto pass = pipeline.pass();
+  try {
+    while (pass.next()) {
+    }
+    FAIL() << "a fork's branch started its pass over alone, and the pass went on";
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("fork"), std::string::npos) << error.what();
   }
 }
 

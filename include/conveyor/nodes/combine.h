@@ -514,6 +514,12 @@ class ForkState {
     const std::lock_guard lock(mutex_);
     const uint64_t first_id = walk.next_id;
     if (passes_[consumer] == pass_) {  // the first consumer into a new pass resets upstream
+      // Started over by one consumer (ResetWalk::restart): a consumer
+      // sharing the pass and not started over with it has lost its items.
+      restarted_by_ = std::nullopt;
+      for (size_t other = 0; other < passes_.size(); ++other) {
+        if (walk.restart && other != consumer && passes_[other] == pass_) restarted_by_ = consumer;
+      }
       ++pass_;
       upstream_->reset(pass, walk);
       upstream_ids_ = walk.next_id - first_id;
@@ -579,7 +585,15 @@ class ForkState {
   std::optional<T> take(size_t consumer, bool polling) {
     // A consumer not yet reset into the pass another one started (its
     // prefetch still running out the last pass) takes nothing from it.
-    if (passes_[consumer] != pass_) return std::nullopt;
+    if (passes_[consumer] != pass_) {
+      if (restarted_by_) {
+        throw StateError("fork: consumer " + std::to_string(*restarted_by_) +
+                         " started its pass over alone (a shuffle behind it resuming from a state that does not say "
+                         "where its upstream ended), and consumer " + std::to_string(consumer) +
+                         " shared that pass; take the state again with this conveyor");
+      }
+      return std::nullopt;
+    }
     uint64_t& taken = taken_[consumer];
     if (taken == base_ + items_.size()) {
       if (ended_) return std::nullopt;
@@ -636,6 +650,7 @@ class ForkState {
   bool sharded_ = false;
   std::string ordered_by_timing_;  // upstream's ResetWalk::ordered_by_timing
   bool ended_ = false;
+  std::optional<size_t> restarted_by_;  // the consumer that started this pass over alone
   size_t buffer_limit_;
   // Around upstream and everything above, for consumers on several threads
   // (uncontended, one lock an item, where they share one thread).

@@ -74,6 +74,7 @@ class Repeat final : public MeteredNode<T> {
     // of the one before it): given to those rounds only (start_round).
     std::shared_ptr<const State> restoring = std::exchange(walk.restoring, nullptr);
     walk_at_start_ = walk;
+    walk_at_start_.restart = false;  // the rounds after the first are new passes upstream
     upstream_->reset(round_pass(0), walk);
     this->start_metering(pass, walk.next_id++);
     walk.restoring = restoring;  // for the nodes after this one
@@ -206,10 +207,11 @@ class Repeat final : public MeteredNode<T> {
     if (round + 1 == resume_.round) return resume_.previous;
     return nullptr;
   }
-  // Does `saved` hold anything for upstream's nodes (ids [first, end))?
+  // Does `saved` hold anything but hints for upstream's nodes (ids [first, end))?
   static bool upstream_saved(const State& saved, uint64_t first, uint64_t end) {
     for (uint64_t id = first; id < end; ++id) {
-      if (saved.find(std::to_string(id))) return true;
+      const State* extras = saved.find(std::to_string(id));
+      if (extras && !extras->contains(conveyor::detail::kHintOnly)) return true;
     }
     return false;
   }

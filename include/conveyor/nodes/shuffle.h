@@ -7,6 +7,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,38 +31,46 @@ class Shuffle final : public Stage<T, T> {
 
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    walk_before_ = walk;  // for skip(): upstream reset again, with the same ids
+    walk_before_ = walk;  // for materialize(): upstream reset again, with the same ids
+    walk_before_.restart = true;
     Stage<T, T>::reset(pass, walk);
+    if (const State* saved = conveyor::detail::restored_extras(walk, this->id_)) {
+      learned(saved->uint_at("upstream_items"), saved->bool_at("ended"));
+    }
   }
 
   // Replays the pass's draws on upstream positions, not items: which of
   // the outputs passed over went, and which positions the buffer holds
-  // then, in its order. Upstream only skips ahead (to learn where it ends)
-  // until the first item is asked for; then it starts the pass again, skips
-  // to the oldest held position and pulls from there, keeping what the
-  // buffer held (materialize()). Needs no failure among the outputs passed
-  // over (a failure would have taken a draw's place). May be called several
-  // times before the first next() (a mux skips its sources item by item).
+  // then, in its order. Upstream is not touched until the first item is
+  // asked for: then it skips to the oldest held position and pulls from
+  // there, keeping what the buffer held (materialize()). The state says
+  // how far upstream went, and where it ended if it had: a replay beyond
+  // that (a state without it) learns where upstream ends by skipping ahead,
+  // and materialize() then starts upstream's pass over. Needs no failure
+  // among the outputs passed over (a failure would have taken a draw's
+  // place). May be called several times before the first next() (a mux
+  // skips its sources item by item).
   uint64_t skip(uint64_t count, bool clean) override {
     if (!clean) {
       materialize();
       return Stage<T, T>::skip(count, clean);
     }
     Replay& replay = replay_ ? *replay_ : replay_.emplace();
-    // `count` outputs pull at most buffer_size + count - 1 items beyond
-    // those pulled: learn how many upstream has, once.
-    const uint64_t wanted = replay.pulled + buffer_size_ + count - 1;
-    if (!replay.upstream_ended && wanted > replay.available) {
-      const uint64_t more = wanted - replay.available;
+    if (known_upstream_.ended) replay.upstream_items = known_upstream_.items;
+    // `count` outputs pull up to that many positions beyond those pulled.
+    const uint64_t wanted = replay.pulled + (buffer_size_ - replay.held.size()) + count - 1;
+    if (!replay.upstream_items && wanted > known_upstream_.items) {
+      const uint64_t more = wanted - replay.probed;
       const uint64_t got = this->upstream_->skip(more, true);
-      replay.available += got;
-      replay.upstream_ended = got < more;
+      replay.probed += got;
+      learned(replay.probed, got < more);
+      if (known_upstream_.ended) replay.upstream_items = known_upstream_.items;
     }
     uint64_t outputs = 0;
     while (outputs < count) {
       while (replay.held.size() < buffer_size_) {
-        if (replay.pulled == replay.available) {
-          replay.found_end = replay.upstream_ended;  // the pull that found the end
+        if (replay.upstream_items && replay.pulled == *replay.upstream_items) {
+          replay.found_end = true;  // the pull that found the end
           break;
         }
         replay.held.push_back(replay.pulled++);
@@ -74,15 +83,35 @@ class Shuffle final : public Stage<T, T> {
     }
     return outputs;
   }
+  // How far upstream went, and whether it ended: a resumed pass then need
+  // not learn it by starting upstream over.
+  void save_extras(State& nodes, bool in_pass) const override {
+    // relaxed: stored after each fill, before the output drawn next, and
+    // that output reaches the consumer taking this state through the
+    // hand-off that publishes it (a prefetch's window): the state sees at
+    // least the positions its consumer's outputs were drawn from.
+    const uint64_t seen = upstream_seen_.load(std::memory_order_relaxed);
+    if (in_pass && seen > 0) {
+      State mine = State::object();
+      mine.set(conveyor::detail::kHintOnly, true);
+      mine.set("upstream_items", seen / 2);
+      mine.set("ended", seen % 2 == 1);
+      nodes.set(std::to_string(this->id_), std::move(mine));
+    }
+    Stage<T, T>::save_extras(nodes, in_pass);
+  }
   std::optional<T> produce() override {
     materialize();
-    while (!upstream_done_ && buffer_.size() < buffer_size_) {
-      std::optional<T> item = this->pull();
-      if (!item) {
-        upstream_done_ = true;
-        break;
+    if (!upstream_done_ && buffer_.size() < buffer_size_) {
+      while (buffer_.size() < buffer_size_) {
+        std::optional<T> item = this->pull();
+        if (!item) {
+          upstream_done_ = true;
+          break;
+        }
+        buffer_.push_back(std::move(*item));
       }
-      buffer_.push_back(std::move(*item));
+      learned(this->position_, upstream_done_);
     }
     if (buffer_.empty()) return std::nullopt;
     const size_t pick = static_cast<size_t>(generator_.random64() % buffer_.size());
@@ -96,6 +125,8 @@ class Shuffle final : public Stage<T, T> {
   void start_pass() override {
     buffer_.clear();
     upstream_done_ = false;
+    known_upstream_ = {};
+    upstream_seen_.store(0, std::memory_order_relaxed);  // relaxed: see save_extras
     replay_.reset();
     generator_ = Generator(this->seed_of(0));
   }
@@ -104,6 +135,16 @@ class Shuffle final : public Stage<T, T> {
   size_t buffer_size_;
   std::vector<T> buffer_;
   bool upstream_done_ = false;
+  // What this pass knows of upstream: it has `items` items at least, or
+  // exactly if `ended` (from pulls, a replay's skipping ahead, a state).
+  struct Known {
+    uint64_t items = 0;
+    bool ended = false;
+  };
+  Known known_upstream_;
+  // known_upstream_.items times two, plus one if ended: read by save_extras() on
+  // the consumer's thread.
+  std::atomic<uint64_t> upstream_seen_{0};
   Generator generator_;
   conveyor::detail::ResetWalk walk_before_;  // the last reset's, before upstream took its ids
 
@@ -111,36 +152,42 @@ class Shuffle final : public Stage<T, T> {
   struct Replay {
     std::vector<uint64_t> held;  // positions in the buffer, in its order
     uint64_t pulled = 0;         // positions pulled into it
-    uint64_t available = 0;      // positions upstream has skipped over
-    bool upstream_ended = false; // upstream had fewer than asked
+    std::optional<uint64_t> upstream_items;  // where upstream ends, once known
+    uint64_t probed = 0;         // positions upstream skipped over to learn it
     bool found_end = false;      // a pull found the end
   };
   std::optional<Replay> replay_;
+
+  void learned(uint64_t items, bool ended) {
+    if (known_upstream_.ended) return;
+    known_upstream_.items = std::max(known_upstream_.items, items);
+    known_upstream_.ended = ended;
+    upstream_seen_.store(known_upstream_.items * 2 + (ended ? 1 : 0), std::memory_order_relaxed);  // relaxed: see save_extras
+  }
 
   void materialize() {
     if (!replay_) return;
     const typename Stage<T, T>::Polling waiting(*this, false);  // all of the replay in one call
     Replay replay = std::move(*replay_);
     replay_.reset();
-    conveyor::detail::ResetWalk walk = walk_before_;
-    this->upstream_->reset(this->pass_, walk);
-    this->position_ = 0;
+    if (replay.probed > 0) {  // upstream's pass from its start again
+      conveyor::detail::ResetWalk walk = walk_before_;
+      this->upstream_->reset(this->pass_, walk);
+      this->position_ = 0;
+    }
     buffer_.clear();
     if (replay.held.empty()) {
-      this->skip_upstream(replay.pulled, true);
+      if (this->skip_upstream(replay.pulled, true) < replay.pulled) upstream_ended_early(this->position_);
     } else {
       const uint64_t lowest = *std::min_element(replay.held.begin(), replay.held.end());
       // By position - lowest: the slot it goes to, or none (held.size()).
       std::vector<size_t> slot_of(static_cast<size_t>(replay.pulled - lowest), replay.held.size());
       for (size_t slot = 0; slot < replay.held.size(); ++slot) slot_of[static_cast<size_t>(replay.held[slot] - lowest)] = slot;
-      this->skip_upstream(lowest, true);
+      if (this->skip_upstream(lowest, true) < lowest) upstream_ended_early(this->position_);
       std::vector<std::optional<T>> slots(replay.held.size());
       for (uint64_t position = lowest; position < replay.pulled; ++position) {
         std::optional<T> item = this->pull();
-        if (!item) {
-          throw StateError("shuffle: upstream ended at item " + std::to_string(position) +
-                           " when a resumed pass pulled it again; it ended later the first time");
-        }
+        if (!item) upstream_ended_early(position);
         const size_t slot = slot_of[static_cast<size_t>(position - lowest)];
         if (slot < replay.held.size()) slots[slot] = std::move(item);
       }
@@ -148,6 +195,10 @@ class Shuffle final : public Stage<T, T> {
       for (std::optional<T>& item : slots) buffer_.push_back(std::move(*item));
     }
     upstream_done_ = replay.found_end;
+  }
+  [[noreturn]] static void upstream_ended_early(uint64_t position) {
+    throw StateError("shuffle: upstream ended at item " + std::to_string(position) +
+                     " when a resumed pass pulled it again; it ended later the first time");
   }
 };
 

@@ -282,22 +282,40 @@ class DataLoader {
     } else {
       Generator& generator = core.plan.generator ? *core.plan.generator : default_generator();
       base_seed = draw_seed(generator);
-      if (core.plan.persistent_workers) core.persistent_base_seed = base_seed;
     }
-    if (core.pending_resume) {
-      std::optional<detail::LoaderResume> resume = std::exchange(core.pending_resume, std::nullopt);
-      if (resume->base_seed && *resume->base_seed != base_seed) {
-        throw StateError("load_state_dict: the resumed epoch drew base seed " + std::to_string(base_seed) +
-                         " where the saved one drew " + std::to_string(*resume->base_seed) +
-                         ": the loader's generator was drawn from between load_state_dict() and iter()");
-      }
-      core.resume = std::move(resume);
+    std::optional<detail::LoaderResume> resume = std::exchange(core.pending_resume, std::nullopt);
+    if (resume && resume->base_seed && *resume->base_seed != base_seed) {
+      throw StateError("load_state_dict: the resumed epoch drew base seed " + std::to_string(base_seed) +
+                       " where the saved one drew " + std::to_string(*resume->base_seed) +
+                       ": the loader's generator was drawn from between load_state_dict() and iter()");
     }
+    const bool drew_persistent_seed = !core.persistent_base_seed && core.plan.persistent_workers;
+    if (drew_persistent_seed) core.persistent_base_seed = base_seed;
+    core.resume = resume;
     const uint64_t epoch = core.epoch++;
     progress->epoch = epoch;
     progress->base_seed = base_seed;
-    core.progress = progress;
-    return Epoch(core_, base_seed, epoch, make_source(), std::move(progress));
+    std::shared_ptr<detail::EpochProgress> last_progress = std::exchange(core.progress, progress);
+    try {
+      return Epoch(core_, base_seed, epoch, make_source(), progress);
+    } catch (...) {
+      // No epoch started (a sampler's iter() threw, a persistent loader's
+      // epoch is still live): the loader stands where it stood, and the
+      // next iter() is this one again. A resumed epoch still resumes, from
+      // the generators and sampler as loaded; otherwise the draws made stay
+      // drawn, as in PyTorch.
+      progress->live = false;
+      core.progress = std::move(last_progress);
+      core.epoch = epoch;
+      core.resume.reset();
+      if (resume) {
+        apply_epoch_start(progress->start);
+        core.pending_resume = std::move(resume);
+      } else if (drew_persistent_seed) {
+        core.persistent_base_seed.reset();
+      }
+      throw;
+    }
   }
   iterator begin() { return iterator(iter()); }
   std::default_sentinel_t end() const noexcept { return {}; }
@@ -426,12 +444,7 @@ class DataLoader {
     const State* process = start.find("process_generator");
     check_generator_text(generator_text, "start.generator");
     if (process) check_generator_text(process->as_string("process_generator"), "start.process_generator");
-    if (core.plan.index_sampler) core.plan.index_sampler->load_state(start.at("sampler"));
-    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), generator_text);
-    if (process) restore_generator(default_generator(), process->as_string("process_generator"));
-    const State& persistent = start.at("persistent_base_seed");
-    core.persistent_base_seed =
-        persistent.is_null() ? std::nullopt : std::optional<int64_t>(persistent.as_int("persistent_base_seed"));
+    apply_epoch_start(start);
     core.epoch = next_epoch;
     if (resume) resume->epoch = next_epoch;
     core.pending_resume = std::move(resume);
@@ -534,6 +547,20 @@ class DataLoader {
     start.set("persistent_base_seed",
               core.persistent_base_seed ? State(*core.persistent_base_seed) : State());
     return start;
+  }
+
+  // Puts the generators, sampler and persistent base seed back as
+  // epoch_start() saw them (texts already checked).
+  void apply_epoch_start(const State& start) {
+    Core& core = *core_;
+    if (core.plan.index_sampler) core.plan.index_sampler->load_state(start.at("sampler"));
+    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), start.string_at("generator"));
+    if (const State* process = start.find("process_generator")) {
+      restore_generator(default_generator(), process->as_string("process_generator"));
+    }
+    const State& persistent = start.at("persistent_base_seed");
+    core.persistent_base_seed =
+        persistent.is_null() ? std::nullopt : std::optional<int64_t>(persistent.as_int("persistent_base_seed"));
   }
 
   static std::string generator_text(const Generator& generator) {

@@ -88,6 +88,12 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize 
   if (options.timeout < 0 || std::isnan(options.timeout)) {
     throw ValueError("timeout option should be non-negative");
   }
+  if (options.num_workers == 0 && options.timeout > 0) {
+    // PyTorch asserts timeout == 0 when its single-process iterator starts.
+    throw ValueError("timeout option (" + std::to_string(options.timeout) +
+                     ") needs num_workers > 0: without workers, next() makes the batch itself and has no one to "
+                     "wait for; set timeout=0 or num_workers > 0");
+  }
   if (options.num_workers == 0 && options.prefetch_factor != 2) {
     throw ValueError(
         "prefetch_factor option could only be specified in multiprocessing.let num_workers > 0 "

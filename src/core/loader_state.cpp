@@ -57,7 +57,10 @@ void EpochProgress::commit_deferred() {
     const size_t slot = pending_head_;
     pending_head_ = (pending_head_ + 1) & mask_;
     --pending_size_;
-    if (pending_[slot].sampler_error) return;  // what the consumer just received
+    if (pending_[slot].sampler_error) {  // what the consumer just received
+      position.sampler_errors_at.push_back(pending_[slot].batch_index);
+      return;
+    }
     apply(pending_[slot], pending_generators_[slot]);
     if (pending_[slot].output) return;
   }
@@ -168,6 +171,7 @@ State position_to_state(const EpochPosition& position) {
   State out = State::object();
   out.set("received", position.received);
   out.set("batches", set_to_state(position.batches));
+  if (!position.sampler_errors_at.empty()) out.set("sampler_errors_at", State::list(position.sampler_errors_at));
   if (!position.lanes.empty()) {
     State lanes = State::array();
     for (size_t lane = 0; lane < position.lanes.size(); ++lane) {
@@ -188,6 +192,13 @@ EpochPosition epoch_position_from_state(const State& state) {
   EpochPosition position;
   position.received = state.uint_at("received");
   position.batches = set_from_state(state.at("batches"));
+  if (const State* errors = state.find("sampler_errors_at")) {
+    position.sampler_errors_at = errors->as_uint_list("sampler_errors_at");
+    if (!std::is_sorted(position.sampler_errors_at.begin(), position.sampler_errors_at.end())) {
+      throw StateError("load_state_dict: 'sampler_errors_at' should list batches in order, but it is " +
+                       errors->to_json().substr(0, 200));
+    }
+  }
   if (const State* lanes = state.find("lanes")) {
     for (const State& entry : lanes->items()) {
       position.lanes.push_back(set_from_state(entry));

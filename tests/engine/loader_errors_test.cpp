@@ -84,6 +84,25 @@ std::vector<std::string> walk(Epoch& epoch, size_t limit = 10000) {
   return events;
 }
 
+// The next `count` events of an epoch that has at least that many.
+template <class Epoch>
+std::vector<std::string> take_events(Epoch& epoch, size_t count) {
+  std::vector<std::string> events;
+  while (events.size() < count) {
+    try {
+      auto batch = epoch.next();
+      if (!batch) {
+        ADD_FAILURE() << "the epoch ended after " << events.size() << " events";
+        break;
+      }
+      events.push_back(std::to_string((*batch)[0]));
+    } catch (const std::exception& e) {
+      events.push_back(std::string("error:") + e.what());
+    }
+  }
+  return events;
+}
+
 TEST(SamplerErrors, ASamplerThatThrowsOnceLosesNoBatchAndTheErrorKeepsItsPlace) {
   // At num_workers = 0 the error comes where the sampler failed and every
   // batch arrives; with workers the same, although the batch drawn before
@@ -185,6 +204,113 @@ TEST(SamplerErrors, ASamplerWhoseIterThrowsOnceDoesNotLockAPersistentLoader) {
     auto third = loader.iter();  // refused for ever before the fix
     EXPECT_EQ(walk(third), (std::vector<std::string>{"0", "2", "4", "6"}));
   }
+}
+
+// A sampler that fails at the same place in the resumed pass: the consumer
+// had that error before the state was taken, and does not get it again;
+// a failure the saved pass did not have still comes.
+TEST(SamplerErrors, AResumedEpochDoesNotHandOutASamplerErrorItsConsumerHad) {
+  RangeDataset dataset(32);
+  for (const int workers : {0, 2}) {
+    for (const bool to_device : {false, true}) {
+      SCOPED_TRACE(std::to_string(workers) + " workers" + (to_device ? ", prefetch_to_device" : ""));
+      auto options_with = [&](int64_t fail_at) {
+        conveyor::LoaderOptions options{.batch_sampler = std::make_shared<FlakySampler>(32, fail_at),
+                                        .num_workers = workers};
+        if (to_device) {
+          options.pin_memory = true;
+          options.transfer_device = conveyor::make_host_standin_device();
+          options.prefetch_to_device = 2;
+        }
+        return options;
+      };
+      std::vector<std::string> uninterrupted;
+      {
+        conveyor::DataLoader loader(dataset, options_with(3));
+        auto epoch = loader.iter();
+        uninterrupted = walk(epoch);
+      }
+      ASSERT_EQ(uninterrupted.size(), 17u);
+      ASSERT_EQ(uninterrupted[3], "error:sampler next() broke");
+      for (const size_t stop : {size_t{4}, size_t{6}}) {
+        conveyor::DataLoader loader(dataset, options_with(3));
+        auto epoch = loader.iter();
+        std::vector<std::string> events = take_events(epoch, stop);
+        const conveyor::State state = loader.state_dict();
+        conveyor::DataLoader resumed(dataset, options_with(3));
+        resumed.load_state_dict(state);
+        auto rest = resumed.iter();
+        for (std::string& event : walk(rest)) events.push_back(std::move(event));
+        EXPECT_EQ(events, uninterrupted) << "stopped after " << stop;
+      }
+      // Resumed past the error with a sampler that now fails later: that
+      // failure is new, and comes.
+      conveyor::DataLoader loader(dataset, options_with(3));
+      auto epoch = loader.iter();
+      (void)take_events(epoch, 6);
+      conveyor::DataLoader resumed(dataset, options_with(9));
+      resumed.load_state_dict(loader.state_dict());
+      auto rest = resumed.iter();
+      const std::vector<std::string> after = walk(rest);
+      EXPECT_EQ(std::count(after.begin(), after.end(), "error:sampler next() broke"), 1);
+    }
+  }
+}
+
+// An iter() that fails (the sampler's iter() throws, a persistent loader's
+// epoch is still live) starts no epoch: nothing stays live, the epoch count
+// and a pending resume are as they were, and the retry is that iter().
+TEST(LoaderIter, AFailedIterLeavesTheLoaderWhereItStood) {
+  RangeDataset dataset(8);
+  for (const int workers : {0, 2}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers");
+    conveyor::State saved;
+    {
+      conveyor::DataLoader loader(dataset, {.batch_sampler = std::make_shared<FlakySampler>(8, -1), .num_workers = workers});
+      auto epoch = loader.iter();
+      ASSERT_TRUE(epoch.next());
+      ASSERT_TRUE(epoch.next());
+      saved = loader.state_dict();
+    }
+    conveyor::DataLoader loader(dataset, {.batch_sampler = std::make_shared<FlakySampler>(8, -1, 0),
+                                          .num_workers = workers});
+    const conveyor::State fresh = loader.state_dict();
+    loader.load_state_dict(saved);
+    EXPECT_THROW(loader.iter(), std::runtime_error);
+    EXPECT_NO_THROW(loader.load_state_dict(saved)) << "the failed iter() left an epoch live";
+    {
+      auto rest = loader.iter();
+      EXPECT_EQ(walk(rest), (std::vector<std::string>{"4", "6"})) << "the resume was lost with the failed iter()";
+    }
+    EXPECT_NO_THROW(loader.load_state_dict(fresh));
+  }
+
+  // A persistent loader refusing a second live epoch: the next epoch's
+  // per-batch seeds (by epoch) are those it would have had.
+  struct Drawing final : conveyor::Dataset<int64_t> {
+    size_t size() const override { return 12; }
+    int64_t get(size_t) override { return static_cast<int64_t>(conveyor::default_generator().random() % 1000); }
+  } drawing;
+  auto second_epoch = [&drawing](bool refused_between) {
+    conveyor::DataLoader loader(drawing, {.batch_size = 2, .num_workers = 2, .persistent_workers = true, .seed = 3,
+                                          .scheduling = Scheduling::work_stealing});
+    {
+      auto first = loader.iter();
+      if (refused_between) {
+        EXPECT_THROW(loader.iter(), conveyor::RuntimeError);
+      }
+      while (first.next()) {
+      }
+    }
+    std::vector<int64_t> values;
+    for (auto& batch : loader) {
+      const auto drawn = batch.values();
+      values.insert(values.end(), drawn.begin(), drawn.end());
+    }
+    EXPECT_NO_THROW(loader.load_state_dict(loader.state_dict()));
+    return values;
+  };
+  EXPECT_EQ(second_epoch(true), second_epoch(false));
 }
 
 // Worker w yields w*100, w*100+1, ..., `per_worker` samples; the replica of

@@ -302,6 +302,51 @@ TEST(ThreadedLoader, TimeoutNamesTheStuckBatchAndTheWaitCanGoOn) {
   EXPECT_FALSE(epoch.next().has_value());
 }
 
+// A timeout whose wait then went on is over once the batch came: leaving
+// that epoch with batches in flight keeps a persistent loader's workers,
+// their init and their generators' streams (dropping the pool as if a task
+// were stuck changed the next epoch's data).
+TEST(ThreadedLoader, ARetriedTimeoutKeepsPersistentWorkersAndTheirStreams) {
+  struct Drawing final : conveyor::Dataset<int64_t> {
+    Gates* gate = nullptr;  // batch 0's first sample waits on it, once
+    std::atomic<bool> held{false};
+    size_t size() const override { return 16; }
+    int64_t get(size_t i) override {
+      if (gate && i == 0 && !held.exchange(true)) gate->wait(0);
+      return static_cast<int64_t>(conveyor::default_generator().random() % 1000);
+    }
+  };
+  auto run = [](bool hiccup, int& inits) {
+    Gates gate(1);
+    auto dataset = std::make_shared<Drawing>();  // owned: a stuck task may keep it
+    if (hiccup) dataset->gate = &gate;
+    std::atomic<int> init_calls{0};
+    conveyor::DataLoader loader(dataset, {.batch_size = 2, .num_workers = 2, .persistent_workers = true,
+                                          .timeout = 0.2, .worker_init_fn = [&init_calls](int) { ++init_calls; },
+                                          .seed = 7, .scheduling = Scheduling::round_robin});
+    {
+      auto epoch = loader.iter();
+      if (hiccup) {
+        EXPECT_THROW(epoch.next(), conveyor::TimeoutError);
+        gate.open(0);
+      }
+      for (int taken = 0; taken < 3; ++taken) EXPECT_TRUE(epoch.next().has_value());
+    }  // left with batches in flight
+    std::vector<int64_t> next_epoch;
+    for (auto& batch : loader) {
+      for (int64_t value : batch.values()) next_epoch.push_back(value);
+    }
+    inits = init_calls.load();
+    return next_epoch;
+  };
+  int inits_plain = 0, inits_hiccup = 0;
+  const std::vector<int64_t> plain = run(false, inits_plain);
+  const std::vector<int64_t> after_timeout = run(true, inits_hiccup);
+  EXPECT_EQ(inits_plain, 2);
+  EXPECT_EQ(inits_hiccup, 2) << "worker_init_fn ran again: the persistent workers were replaced";
+  EXPECT_EQ(after_timeout, plain);
+}
+
 TEST(ThreadedLoader, IteratorDestroyedMidEpochAThousandTimes) {
   LiveCounter live;
   RangeDataset dataset(1000);

@@ -153,6 +153,15 @@ TEST(LoaderOptions, ConveyorOwnMistakesNameTheBadValue) {
   EXPECT_THROW((conveyor::DataLoader<RangeDataset, conveyor::DefaultConvert>(ds, {.batch_size = 4})),
                conveyor::TypeError);
   EXPECT_THROW((conveyor::DataLoader<RangeDataset>(ds, {.batch_size = std::nullopt})), conveyor::TypeError);
+  // Without workers there is no one to wait for (PyTorch asserts timeout ==
+  // 0 there): refused, not ignored.
+  try {
+    conveyor::DataLoader l(ds, {.num_workers = 0, .timeout = 1.5});
+    FAIL() << "a timeout without workers was accepted";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("timeout option (1.5"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(conveyor::DataLoader(ds, {.num_workers = 1, .timeout = 1.5}));
 }
 
 }  // namespace

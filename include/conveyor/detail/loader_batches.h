@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -566,9 +567,10 @@ class WorkerLanes {
   }
 
   // Cancels what is queued, waits for what runs, frees every slot. Never
-  // throws. After a timeout, with a dataset the loader co-owns, it does not
-  // wait: the pool (and what its stuck task uses) is handed to a thread that
-  // waits for the task and then frees it all.
+  // throws. Right after a timeout (no batch came since), with a dataset the
+  // loader co-owns, it does not wait: the pool (and what its stuck task
+  // uses) is handed to a thread that waits for the task and then frees it
+  // all.
   ~WorkerLanes() {
     if (timed_out_ && core_->owns_dataset && window_.in_flight() > 0) {
       if (core_->persistent_pool == pool_) core_->persistent_pool.reset();  // the next pass starts afresh
@@ -599,13 +601,19 @@ class WorkerLanes {
   }
   Taken take(std::chrono::steady_clock::time_point deadline) {
     try {
-      return window_.take(deadline);
+      Taken taken = window_.take(deadline);
+      timed_out_ = false;  // the job waited for came: nothing is known to be stuck
+      return taken;
     } catch (const TimeoutError&) {
       timed_out_ = true;
       throw;
     }
   }
-  std::optional<Taken> try_take() { return window_.try_take(); }
+  std::optional<Taken> try_take() {
+    std::optional<Taken> taken = window_.try_take();
+    if (taken) timed_out_ = false;
+    return taken;
+  }
   std::chrono::steady_clock::time_point deadline_from_now() const noexcept {
     return window_.deadline_from_now();
   }
@@ -614,7 +622,7 @@ class WorkerLanes {
   std::shared_ptr<Core> core_;
   std::shared_ptr<Pool> pool_;
   typename Pool::Window& window_;
-  bool timed_out_ = false;  // a wait ran into the timeout this pass
+  bool timed_out_ = false;  // the last wait ran into the timeout
   // The pass's (owned by fetch+collate, which outlives these lanes).
   const EpochProgress* progress_ = nullptr;
 };
@@ -770,6 +778,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     next_batch_ = 0;
     sampler_done_ = false;
     sampler_error_ = nullptr;
+    sampler_errors_received_ = {};
+    if (resume_) sampler_errors_received_.assign(resume_->position.sampler_errors_at.begin(),
+                                                 resume_->position.sampler_errors_at.end());
     submitted_ = 0;
     handed_out_ = 0;
     times_ = {};
@@ -805,19 +816,29 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   // epoch at once still leaves the generators where the saved one did.
   void replay_received_prefix() {
     const uint64_t prefix = resume_->position.batches.prefix;
-    try {
-      while (next_batch_ < prefix) {
+    while (next_batch_ < prefix) {
+      try {
         if (!sampler_->advance(indices_)) {
           sampler_done_ = true;
           return;
         }
-        ++next_batch_;  // one at a time: a sampler that throws leaves the count drawn before it
+      } catch (...) {
+        if (pass_over_received_sampler_error()) continue;
+        sampler_error_ = std::current_exception();
+        return;
       }
-    } catch (...) {
-      sampler_error_ = std::current_exception();
-      return;
+      ++next_batch_;  // one at a time: a sampler that throws leaves the count drawn before it
     }
     lanes_->seek_generator();
+  }
+  // A sampler error of a resumed pass that its consumer had received: the
+  // sampler is asked again, as the consumer's next request did then.
+  bool pass_over_received_sampler_error() {
+    std::deque<uint64_t>& received = sampler_errors_received_;
+    while (!received.empty() && received.front() < next_batch_) received.pop_front();  // it failed there no more
+    if (received.empty() || received.front() != next_batch_) return false;
+    received.pop_front();
+    return true;
   }
 
   std::string name() const override {
@@ -879,7 +900,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   bool nothing_in_flight() {
     if (lanes_->in_flight() > 0) return false;
     if (sampler_error_) {
-      progress_->note_sampler_error();
+      progress_->note_sampler_error(next_batch_);
       std::rethrow_exception(std::exchange(sampler_error_, nullptr));
     }
     return true;
@@ -937,6 +958,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
             return;
           }
         } catch (...) {
+          if (pass_over_received_sampler_error()) continue;
           sampler_error_ = std::current_exception();
           return;
         }
@@ -969,6 +991,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;
   std::exception_ptr sampler_error_;  // thrown by the sampler, not yet by next()
+  std::deque<uint64_t> sampler_errors_received_;  // a resumed pass: where its consumer got sampler errors, ahead
   uint64_t id_ = 0;
   uint64_t submitted_ = 0;
   uint64_t handed_out_ = 0;

@@ -64,6 +64,10 @@ struct TakeRecord {
 // Where an epoch stands, as received: what a state holds and a resume reads.
 struct EpochPosition {
   uint64_t received = 0;  // batches and failed batches the consumer got
+  // Map-style: the sampler's errors the consumer got, each as the batch the
+  // sampler was drawing. A resumed pass passes over its sampler's failures
+  // there (the consumer has them) and hands out any other.
+  std::vector<uint64_t> sampler_errors_at;
   // Map-style: the sampler's batches received.
   ReceivedSet batches;
   // Iterable, by replica: its batches received, how many of them failed,
@@ -121,8 +125,12 @@ struct EpochProgress {
   }
   // The sampler failed, and its error goes to the consumer after every
   // batch taken so far (and before any taken after).
-  void note_sampler_error() {
-    if (deferred_) defer(TakeRecord{.sampler_error = true}, std::nullopt);
+  void note_sampler_error(uint64_t batch_index) {
+    if (deferred_) {
+      defer(TakeRecord{.batch_index = batch_index, .sampler_error = true}, std::nullopt);
+    } else {
+      position.sampler_errors_at.push_back(batch_index);
+    }
   }
   // The consumer received the next batch (or failed batch, or sampler
   // error): commits the records up to it.

@@ -72,7 +72,8 @@ struct LoaderOptions {
   int prefetch_to_device = 0;
   // Drop the last, incomplete batch.
   bool drop_last = false;
-  // Seconds next() may wait for a batch before throwing TimeoutError; 0 waits forever.
+  // Seconds next() may wait for a batch before throwing TimeoutError; 0 waits
+  // forever. Needs num_workers > 0 (without workers nothing runs to wait for).
   double timeout = 0;
   // Called once on each worker (with its id) before it loads anything.
   std::function<void(int)> worker_init_fn{};

@@ -80,9 +80,10 @@ struct PoolState {
   }
 
   void delete_block(Block* block) noexcept {
-    block->last_copy.synchronize();  // a copy may still read it
+    block->last_copy.synchronize_before_release("a pinned block");  // a copy may still read it
     if (block->last_uses) {
-      for (const TransferEvent& use : block->last_uses->events()) use.synchronize();  // work may still read the twin
+      // Work may still read the twin.
+      for (const TransferEvent& use : block->last_uses->events()) use.synchronize_before_release("a device twin");
     }
     if (block->device_twin) device->free_device(block->device_twin);
     block->~Block();
@@ -120,7 +121,7 @@ void recycle(Block* block) noexcept {
   CONVEYOR_CHECK(pool != nullptr, "a pool block without its pool");
   // Not written again before the device has read it (the consumer normally
   // waited on the event long ago: this returns at once).
-  block->last_copy.synchronize();
+  block->last_copy.synchronize_before_release("a pinned block");
   block->last_copy = TransferEvent();
   const size_t c = block->size_class;
   const size_t bytes = block->capacity();

@@ -10,9 +10,11 @@
 #include <cstring>
 #include <new>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "conveyor/transfer.h"
+#include "conveyor/warnings.h"
 
 namespace conveyor {
 namespace {
@@ -94,6 +96,19 @@ class HostStandinDevice final : public TransferDevice {
 };
 
 }  // namespace
+
+void TransferEvent::synchronize_before_release(const char* what) const noexcept {
+  try {
+    synchronize();
+  } catch (const std::exception& error) {
+    try {
+      warn(std::string("waiting for the device before freeing ") + what + " failed: " + error.what() +
+           "; freeing it anyway (a device in this state runs nothing more)");
+    } catch (...) {
+      // The warning is a report: losing it never stops a release.
+    }
+  }
+}
 
 std::shared_ptr<TransferDevice> make_host_standin_device() {
   return std::make_shared<HostStandinDevice>();

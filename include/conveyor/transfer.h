@@ -57,6 +57,10 @@ class TransferEvent {
   void synchronize() const {
     if (state_) state_->synchronize();
   }
+  // synchronize() where memory is released and nothing may throw: a wait
+  // that fails (a device in a sticky error state, which runs nothing more)
+  // is a warning naming `what`, and the caller frees what it guarded.
+  void synchronize_before_release(const char* what) const noexcept;
   // The device's own handle: a cudaEvent_t for CUDA devices, nullptr for the
   // stand-in (use synchronize()).
   void* native() const noexcept { return state_ ? state_->native() : nullptr; }

@@ -53,6 +53,7 @@ class TestDevice final : public conveyor::TransferDevice {
   }
   void free_pinned(void* memory) noexcept override {
     live_pinned.fetch_sub(1);
+    note_free_while_held();
     inner_->free_pinned(memory);
   }
   void* allocate_device(size_t bytes) override {
@@ -63,6 +64,7 @@ class TestDevice final : public conveyor::TransferDevice {
   }
   void free_device(void* memory) noexcept override {
     live_device.fetch_sub(1);
+    note_free_while_held();
     note("free", memory);
     inner_->free_device(memory);
   }
@@ -72,7 +74,22 @@ class TestDevice final : public conveyor::TransferDevice {
     note("copy", device);
     inner_->copy_to_device(device, host, bytes);
   }
-  conveyor::TransferEvent record() override { return inner_->record(); }
+  conveyor::TransferEvent record() override {
+    conveyor::TransferEvent recorded = inner_->record();
+    if (fail_event_waits.load()) return conveyor::TransferEvent(std::make_shared<FailingWait>());
+    if (!stream_gate_) return recorded;
+    return conveyor::TransferEvent(std::make_shared<OpensGate>(stream_gate_, std::move(recorded)));
+  }
+  // Holds the stream: what is queued from now on runs once someone waits
+  // for an event recorded after it (as if the copies finished just then),
+  // or release_stream(). A free meanwhile counts in frees_while_held.
+  void hold_stream() {
+    stream_gate_ = std::make_shared<ManualEvent>();
+    inner_->wait_for(conveyor::TransferEvent(stream_gate_));
+  }
+  void release_stream() {
+    if (stream_gate_) stream_gate_->complete();
+  }
   void wait_for(const conveyor::TransferEvent& event) override {
     note("wait", nullptr);
     inner_->wait_for(event);
@@ -94,8 +111,39 @@ class TestDevice final : public conveyor::TransferDevice {
   std::atomic<int> copies{0};
   std::atomic<int> fail_copy_number{-1};
   std::atomic<bool> fail_device_allocation{false};
+  std::atomic<int> frees_while_held{0};
+  // Events recorded from now on fail when waited for, as after a sticky
+  // device error.
+  std::atomic<bool> fail_event_waits{false};
 
  private:
+  // An event recorded while the stream is held: waiting for it releases
+  // the stream first.
+  class OpensGate final : public conveyor::detail::EventState {
+   public:
+    OpensGate(std::shared_ptr<ManualEvent> gate, conveyor::TransferEvent recorded)
+        : gate_(std::move(gate)), recorded_(std::move(recorded)) {}
+    bool query() override { return recorded_.ready(); }
+    void synchronize() override {
+      gate_->complete();
+      recorded_.synchronize();
+    }
+    void* native() noexcept override { return nullptr; }
+
+   private:
+    std::shared_ptr<ManualEvent> gate_;
+    conveyor::TransferEvent recorded_;
+  };
+  class FailingWait final : public conveyor::detail::EventState {
+   public:
+    bool query() override { throw std::runtime_error("an illegal memory access was encountered (test)"); }
+    void synchronize() override { throw std::runtime_error("an illegal memory access was encountered (test)"); }
+    void* native() noexcept override { return nullptr; }
+  };
+  void note_free_while_held() noexcept {
+    if (stream_gate_ && !stream_gate_->query()) frees_while_held.fetch_add(1);
+  }
+  std::shared_ptr<ManualEvent> stream_gate_;  // set before the device is used
   void note(const char* what, const void* device) noexcept {
     try {
       std::lock_guard lock(ops_mutex_);

@@ -126,9 +126,10 @@ class TransferStage final : public LoaderNode<Batch> {
     TransferEvent copied;
     std::shared_ptr<DeviceCopyUses> uses;  // its batch's kept work
     ~Scratch() {
-      copied.synchronize();
+      if (!memory) return;  // kept for ever (queue_copies could not fence it)
+      copied.synchronize_before_release("a device buffer");
       if (uses) {
-        for (const TransferEvent& use : uses->events()) use.synchronize();
+        for (const TransferEvent& use : uses->events()) use.synchronize_before_release("a device buffer");
       }
       device->free_device(memory);
     }
@@ -185,6 +186,37 @@ class TransferStage final : public LoaderNode<Batch> {
   void queue_copies(Entry& entry) {
     std::vector<TransferEvent*> twins_copied;
     auto uses = std::make_shared<DeviceCopyUses>();
+    try {
+      queue_each_copy(entry, uses, twins_copied);
+      entry.device.ready = device_->record();
+    } catch (...) {
+      // The copies queued before the failure may still run: what they read
+      // and write is released after them, or, if not even that can be
+      // asked of the device, never.
+      TransferEvent fence;
+      bool fenced = true;
+      try {
+        fence = device_->record();
+      } catch (...) {
+        fenced = false;
+      }
+      for (TransferEvent* last_copy : twins_copied) *last_copy = fence;
+      for (auto& scratch : entry.scratch) {
+        scratch->copied = fence;
+        if (!fenced) {
+          new std::shared_ptr<void>(std::move(scratch->host_owner));  // leaked: the host memory outlives the copy
+          scratch->memory = nullptr;
+        }
+      }
+      throw;
+    }
+    entry.device.uses = std::move(uses);
+    for (TransferEvent* last_copy : twins_copied) *last_copy = entry.device.ready;
+    for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
+  }
+
+  void queue_each_copy(Entry& entry, const std::shared_ptr<DeviceCopyUses>& uses,
+                       std::vector<TransferEvent*>& twins_copied) {
     transfer_traits<Batch>::for_each_buffer(
         *entry.batch, [&](void* host, size_t bytes, const std::shared_ptr<void>& owner) {
           void* target = nullptr;
@@ -211,10 +243,6 @@ class TransferStage final : public LoaderNode<Batch> {
           device_->copy_to_device(target, host, bytes);
           entry.device.buffers.push_back(DeviceBuffer{host, target, bytes});
         });
-    entry.device.ready = device_->record();
-    entry.device.uses = std::move(uses);
-    for (TransferEvent* last_copy : twins_copied) *last_copy = entry.device.ready;
-    for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
   }
 
   std::unique_ptr<LoaderNode<Batch>> inner_;

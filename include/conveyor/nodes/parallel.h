@@ -299,19 +299,25 @@ class ParallelMap final
     const uint64_t wanted = order_.next_saved();
     auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
                                        [this] { return this->position(); });
-    order_.handed_out(wanted);
-    if (pending.error) std::rethrow_exception(pending.error);  // upstream's, named there
+    if (pending.error) {
+      order_.handed_out(wanted);
+      std::rethrow_exception(pending.error);  // upstream's, named there
+    }
     const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(pending.position));
     try {
       out.emplace(std::as_const(f_)(std::move(*pending.item)));
-      return true;
     } catch (...) {
+      // Logged only as handed out (take()): a skipped item is not, or a
+      // later state would count it as received.
       if (options_.on_error == OnError::skip) {
         this->meter_.skipped.add(1);
         return false;
       }
+      order_.handed_out(wanted);
       conveyor::detail::throw_node_error(name(), pending.position);
     }
+    order_.handed_out(wanted);
+    return true;
   }
 
   bool take(typename Window::Taken&& taken, std::optional<Out>& out) {

@@ -15,6 +15,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <chrono>
+#include <numeric>
+#include <mutex>
+#include <future>
+#include <deque>
 #include <cstdio>
 #include <functional>
 #include <optional>
@@ -895,6 +900,83 @@ TEST(PipelineResume, AnItemSkippedAsAnUnorderedMapReplaysIsNotCountedAsHandedOut
     for (int64_t x = 0; x < 60; x += 2) expected.push_back(x);
     ASSERT_EQ(got, expected) << "input " << failing << " failed once as it was replayed";
   }
+}
+
+// An async_map out of order, resumed behind a batch (which takes the saved
+// order again by pulling): its try_next() waits for no completion while it
+// replays, since the consumer polling it may be what delivers them (an
+// event loop on one thread).
+TEST(PipelineResume, AnAsyncMapReplayingItsSavedOrderIsPolledWithoutWaiting) {
+  std::mutex loop_mutex;
+  std::deque<std::function<void()>> loop;  // completions, delivered by whoever runs the loop
+  auto make = [&] {
+    return nodes::from_range(0, 20) |
+           nodes::async_map<int64_t>(
+               [&](int64_t x, nodes::Completion<int64_t> done) {
+                 auto completion = std::make_shared<nodes::Completion<int64_t>>(std::move(done));
+                 const std::lock_guard lock(loop_mutex);
+                 auto deliver = [completion, x] { (*completion)(x); };
+                 if (x % 2 == 1) {
+                   loop.push_front(deliver);  // odd inputs finish first: out of input order
+                 } else {
+                   loop.push_back(deliver);
+                 }
+               },
+               {.max_in_flight = 4, .in_order = false}) |
+           nodes::batch(2);
+  };
+  auto run_one = [&] {
+    std::function<void()> deliver;
+    {
+      const std::lock_guard lock(loop_mutex);
+      if (loop.empty()) return;
+      deliver = std::move(loop.front());
+      loop.pop_front();
+    }
+    deliver();
+  };
+  std::vector<int64_t> got;
+  State saved;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    std::optional<std::vector<int64_t>> batch;
+    while (pass.try_next(batch) != conveyor::Poll::ready) run_one();
+    got.insert(got.end(), batch->begin(), batch->end());
+    for (int k = 0; k < 3; ++k) {  // the map hands out an item the batch holds, unfinished
+      batch.reset();
+      if (pass.try_next(batch) == conveyor::Poll::ready) got.insert(got.end(), batch->begin(), batch->end());
+      run_one();
+    }
+    batch.reset();
+    if (pass.try_next(batch) == conveyor::Poll::ready) got.insert(got.end(), batch->begin(), batch->end());
+    saved = pipeline.state();
+    const std::lock_guard lock(loop_mutex);
+    loop.clear();  // the old pass's completions: dropped, as the pass is
+  }
+  auto pipeline = make();
+  pipeline.load_state(saved);
+  auto pass = pipeline.pass();
+  auto first_poll = std::async(std::launch::async, [&pass] {
+    std::optional<std::vector<int64_t>> batch;
+    return std::make_pair(pass.try_next(batch), batch);
+  });
+  if (first_poll.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    ADD_FAILURE() << "try_next() waited for a completion only its own thread delivers";
+    while (first_poll.wait_for(std::chrono::milliseconds(1)) != std::future_status::ready) run_one();  // free it
+  }
+  auto [poll, batch] = first_poll.get();
+  while (true) {
+    if (poll == conveyor::Poll::end) break;
+    if (poll == conveyor::Poll::ready) got.insert(got.end(), batch->begin(), batch->end());
+    run_one();
+    batch.reset();
+    poll = pass.try_next(batch);
+  }
+  std::sort(got.begin(), got.end());
+  std::vector<int64_t> all(20);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(got, all);
 }
 
 }  // namespace

@@ -24,8 +24,10 @@
 // - next() waits for the next item with a spin of at most 20 us, then a
 //   futex wait that only the delivery it waits for ends (in order the
 //   head's, out of order any): other deliveries make no system call.
-//   try_next() never waits (Poll::pending). fn and upstream run on the
-//   thread advancing the node (try_next uses upstream's try_next).
+//   try_next() never waits for a completion (Poll::pending), a resumed
+//   pass's replay of its saved order included. fn and upstream run on the
+//   thread advancing the node (try_next uses upstream's try_next, except in
+//   that replay, which pulls upstream waiting, as every replay does).
 // - Order: in input order (in_order = true), or as they complete.
 // - Errors: fn throwing, completion.fail(e) or a completion destroyed
 //   without being called fail the item: next() throws a NodeError naming the
@@ -381,8 +383,8 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
 
   std::optional<Out> produce() override {
     std::optional<Out> out;
-    while (order_.replaying()) {
-      if (replay(out)) return out;
+    while (order_.replaying() || replay_started_) {
+      if (replay(out, /*wait=*/true) == Poll::ready) return out;
     }
     while (true) {
       fill(/*blocking=*/true);
@@ -394,8 +396,10 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
   }
 
   Poll try_next(std::optional<Out>& out) override {
-    while (order_.replaying()) {
-      if (replay(out)) return this->counted(Poll::ready);
+    while (order_.replaying() || replay_started_) {
+      const Poll poll = replay(out, /*wait=*/false);
+      if (poll == Poll::ready) return this->counted(Poll::ready);
+      if (poll == Poll::pending) return Poll::pending;  // its completion may come from this very thread
     }
     while (true) {
       fill(/*blocking=*/false);
@@ -426,6 +430,7 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
   void stop_pass() override { abandon(); }
   void start_pass() override {
     upstream_done_ = false;
+    replay_started_ = false;
     inputs_ = 0;
     replay_inputs_.ahead.clear();
     occupancy_takes_.clear();
@@ -507,24 +512,33 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
   // takes again by pulling (a filter, say): they come in the saved order,
   // each started alone when its turn comes and waited for (nothing else is
   // in flight until the replay is over). Inputs pulled before their turn
-  // wait in replay_inputs_; fill() starts them first afterwards. True with an
-  // item in `out`; false for one dropped under OnError::skip.
-  bool replay(std::optional<Out>& out) {
-    const uint64_t wanted = order_.next_saved();
-    auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
-                                       [this] { return this->position(); });
-    if (pending.error) {
-      order_.handed_out(wanted);
-      std::rethrow_exception(pending.error);  // upstream's, named there
+  // wait in replay_inputs_; fill() starts them first afterwards. Ready with
+  // an item in `out`; end for one dropped under OnError::skip; pending (not
+  // `wait`ing) while the item started is not complete: the next call waits
+  // for that one.
+  Poll replay(std::optional<Out>& out, bool wait) {
+    if (!replay_started_) {
+      const uint64_t wanted = order_.next_saved();
+      auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
+                                         [this] { return this->position(); });
+      if (pending.error) {
+        order_.handed_out(wanted);
+        std::rethrow_exception(pending.error);  // upstream's, named there
+      }
+      start(std::move(*pending.item), wanted, pending.position);
+      replay_started_ = true;
     }
-    start(std::move(*pending.item), wanted, pending.position);
     while (true) {
       const Poll poll = take(out);  // logs the input it hands out
-      if (poll == Poll::ready) return true;
-      if (poll == Poll::end) return false;
+      if (poll != Poll::pending) {
+        replay_started_ = false;
+        return poll;
+      }
+      if (!wait) return Poll::pending;
       park();
     }
   }
+  bool replay_started_ = false;  // replay()'s item is in flight
 
   // The next slot and ticket: in order, ticket t lives in slot (t - 1) %
   // capacity (head_ <= t - 1 < tail_ <= head_ + capacity: never two at once);

@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "conveyor/errors.h"
@@ -284,6 +285,21 @@ struct ReplayInputs {
     }
     Pending pending = std::move(it->second);
     ahead.erase(it);
+    return pending;
+  }
+
+  // The saved order's next input (its number into `wanted`), as take()
+  // pulls it. An upstream failure there is handed out in its place: logged
+  // and rethrown (named where it was raised).
+  template <class Pull, class Position>
+  Pending take_next_saved(CompletionOrder& order, uint64_t& wanted, uint64_t& inputs, const std::string& node,
+                          Pull&& pull, Position&& position) {
+    wanted = order.next_saved();
+    Pending pending = take(wanted, inputs, order, node, std::forward<Pull>(pull), std::forward<Position>(position));
+    if (pending.error) {
+      order.handed_out(wanted);
+      std::rethrow_exception(pending.error);
+    }
     return pending;
   }
 };

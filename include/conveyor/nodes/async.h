@@ -518,13 +518,9 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
   // for that one.
   Poll replay(std::optional<Out>& out, bool wait) {
     if (!replay_started_) {
-      const uint64_t wanted = order_.next_saved();
-      auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
-                                         [this] { return this->position(); });
-      if (pending.error) {
-        order_.handed_out(wanted);
-        std::rethrow_exception(pending.error);  // upstream's, named there
-      }
+      uint64_t wanted = 0;
+      auto pending = replay_inputs_.take_next_saved(order_, wanted, inputs_, name(), [this] { return this->pull(); },
+                                                    [this] { return this->position(); });
       start(std::move(*pending.item), wanted, pending.position);
       replay_started_ = true;
     }

@@ -296,13 +296,9 @@ class ParallelMap final
   // input order: at most a window); fill() submits what is left of them
   // first once the replay is over. True with an item in `out`.
   bool replay(std::optional<Out>& out) {
-    const uint64_t wanted = order_.next_saved();
-    auto pending = replay_inputs_.take(wanted, inputs_, order_, name(), [this] { return this->pull(); },
-                                       [this] { return this->position(); });
-    if (pending.error) {
-      order_.handed_out(wanted);
-      std::rethrow_exception(pending.error);  // upstream's, named there
-    }
+    uint64_t wanted = 0;
+    auto pending = replay_inputs_.take_next_saved(order_, wanted, inputs_, name(), [this] { return this->pull(); },
+                                                  [this] { return this->position(); });
     const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(pending.position));
     try {
       out.emplace(std::as_const(f_)(std::move(*pending.item)));

@@ -76,7 +76,7 @@ class TestDevice final : public conveyor::TransferDevice {
   }
   conveyor::TransferEvent record() override {
     conveyor::TransferEvent recorded = inner_->record();
-    if (fail_event_waits.load()) return conveyor::TransferEvent(std::make_shared<FailingWait>());
+    if (fail_event_waits.load()) return conveyor::TransferEvent(std::make_shared<FailingWait>(std::move(recorded)));
     if (!stream_gate_) return recorded;
     return conveyor::TransferEvent(std::make_shared<OpensGate>(stream_gate_, std::move(recorded)));
   }
@@ -134,11 +134,23 @@ class TestDevice final : public conveyor::TransferDevice {
     std::shared_ptr<ManualEvent> gate_;
     conveyor::TransferEvent recorded_;
   };
+  // Reports an error once the copies before it are done (the stand-in is
+  // not really broken: freeing earlier would race with its stream).
   class FailingWait final : public conveyor::detail::EventState {
    public:
-    bool query() override { throw std::runtime_error("an illegal memory access was encountered (test)"); }
-    void synchronize() override { throw std::runtime_error("an illegal memory access was encountered (test)"); }
+    explicit FailingWait(conveyor::TransferEvent recorded) : recorded_(std::move(recorded)) {}
+    bool query() override {
+      recorded_.synchronize();
+      throw std::runtime_error("an illegal memory access was encountered (test)");
+    }
+    void synchronize() override {
+      recorded_.synchronize();
+      throw std::runtime_error("an illegal memory access was encountered (test)");
+    }
     void* native() noexcept override { return nullptr; }
+
+   private:
+    conveyor::TransferEvent recorded_;
   };
   void note_free_while_held() noexcept {
     if (stream_gate_ && !stream_gate_->query()) frees_while_held.fetch_add(1);

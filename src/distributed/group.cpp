@@ -95,9 +95,9 @@ struct Group::Impl {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<detail::Peer> peers;  // by rank: whose liveness port is where
   uint64_t collectives = 0;
-  std::unique_ptr<detail::Watch> watch;  // our connections to the peers' ports
-  // Declared last, destroyed first: a rank that leaves closes its liveness
-  // port before its Gloo connections drop.
+  // Destroyed before `group`: a rank that leaves closes its liveness
+  // connections before its Gloo connections drop.
+  std::unique_ptr<detail::Watch> watch;  // one connection to each other rank
   std::unique_ptr<detail::LivenessPort> liveness;
 
   std::string context() const {
@@ -106,12 +106,12 @@ struct Group::Impl {
     return out;
   }
 
-  // What went wrong, after asking every other rank's liveness port.
+  // What went wrong, after watching the liveness connections.
   DistributedError failure(const std::string& operation, const std::exception& error,
                            Clock::time_point start) const {
     const bool timed_out = looks_like_timeout(error);
-    // A peer that died closed its liveness port within moments of its Gloo
-    // sockets; two seconds is ample, and only spent when nobody died.
+    // A peer that died closed its liveness connections within moments of its
+    // Gloo sockets; two seconds is ample, and only spent when nobody died.
     const milliseconds budget = std::min(timeout, milliseconds(2000));
     const std::vector<int> exited = watch ? watch->gone(budget) : std::vector<int>{};
     std::string text = "conveyor::distributed: " + operation + " (collective " +
@@ -120,15 +120,15 @@ struct Group::Impl {
     if (!watch) {
       text += "the ranks' liveness ports were not exchanged yet";
     } else if (exited.empty()) {
-      text += "every other rank is still running (no liveness port closed within " +
+      text += "every other rank is still running (no liveness connection closed within " +
               std::to_string(budget.count()) +
               " ms): one may be stuck, or the ranks called different collectives";
     }
     for (size_t i = 0; i < exited.size(); ++i) {
       const detail::Peer& peer = peers[exited[i]];
       text += (i == 0 ? "" : "; ") + ranks_text({exited[i]}) + " has exited (pid " +
-              std::to_string(peer.pid) + " on " + peer.hostname + ": its liveness port " +
-              peer.host + ":" + std::to_string(peer.port) + " closed)";
+              std::to_string(peer.pid) + " on " + peer.hostname + ", liveness port " + peer.host +
+              ":" + std::to_string(peer.port) + ": its connection closed)";
     }
     text += ". c10d: " + first_line(error.what());
     return DistributedError(text, exited, timed_out);
@@ -148,7 +148,7 @@ struct Group::Impl {
     }
   }
 
-  // Swaps liveness ports and connects to them: the group's first collective.
+  // Swaps liveness ports and builds the mesh on them: the group's first collective.
   void exchange_peers() {
     const std::string mine = detail::serialize(liveness->self());
     auto input = at::empty({static_cast<int64_t>(detail::kPeerRecordBytes)}, at::kByte);
@@ -161,14 +161,14 @@ struct Group::Impl {
       peers.push_back(detail::deserialize(record.data_ptr<uint8_t>()));
     }
     try {
-      watch = std::make_unique<detail::Watch>(peers, env.rank,
+      watch = std::make_unique<detail::Watch>(peers, env.rank, *liveness,
                                               std::min(timeout, milliseconds(10000)));
     } catch (const std::exception& error) {
       rendezvous_failed("cannot watch the other ranks", &error, {}, false);
     }
-    // No rank returns before every rank has connected to every other's
-    // port: a rank that is done right after the group is made (and exits)
-    // would otherwise refuse a slower peer's connect and fail its init.
+    // No rank returns before every rank has its connection to every other:
+    // a rank that is done right after the group is made (and exits) would
+    // otherwise refuse a slower peer's connect and fail its init.
     collective("barrier after the exchange of liveness ports",
                [&] { group->barrier()->wait(); });
   }

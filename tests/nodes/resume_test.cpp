@@ -835,6 +835,44 @@ TEST(PipelineResume, AShuffleStateWithoutWhereUpstreamEndedStillResumes) {
   }
 }
 
+TEST(PipelineResume, AShuffleStateSayingUpstreamEndedTooSoonIsRefused) {
+  auto alone = [] { return nodes::from_range(0, 10) | nodes::shuffle(4); };
+  State saved;
+  {
+    auto pipeline = alone();
+    pipeline.seed(1);
+    auto pass = pipeline.pass();
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(pass.next());
+    saved = pipeline.state();
+  }
+  State nodes_saved = State::object();
+  bool edited = false;
+  for (auto [id, entry] : saved.at("nodes").members()) {
+    if (entry.contains("upstream_items")) {
+      ASSERT_EQ(entry.uint_at("upstream_items"), 5u) << saved.to_json();
+      entry.set("upstream_items", uint64_t{3});
+      entry.set("ended", true);
+      edited = true;
+    }
+    nodes_saved.set(id, std::move(entry));
+  }
+  ASSERT_TRUE(edited) << saved.to_json();
+  saved.set("nodes", std::move(nodes_saved));
+  auto pipeline = alone();
+  pipeline.seed(1);
+  pipeline.load_state(saved);
+  auto pass = pipeline.pass();
+  try {
+    std::vector<int> got;
+    while (auto item = pass.next()) got.push_back(*item);
+    FAIL() << "resumed to " << ::testing::PrintToString(got);
+  } catch (const StateError& error) {
+    EXPECT_NE(std::string(error.what()).find("says upstream ended after 3 items, but it has more"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
 // A map handing items out as they finish, resumed behind a filter and a
 // prefetch (the filter takes the saved order again by pulling, beyond what
 // the consumer had): an input whose f fails under OnError::skip as it is

@@ -195,6 +195,14 @@ class Shuffle final : public Stage<T, T> {
       for (std::optional<T>& item : slots) buffer_.push_back(std::move(*item));
     }
     upstream_done_ = replay.found_end;
+    // An end the replay took from a state is checked: a state from another
+    // pipeline, or an edited one, would otherwise hand out items again and
+    // lose the rest. An end learned by skipping upstream answers at once.
+    if (upstream_done_ && this->pull()) {
+      throw StateError("shuffle: the state says upstream ended after " +
+                       std::to_string(replay.pulled) +
+                       " items, but it has more: the state is not this pipeline's");
+    }
   }
   [[noreturn]] static void upstream_ended_early(uint64_t position) {
     throw StateError("shuffle: upstream ended at item " + std::to_string(position) +

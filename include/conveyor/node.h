@@ -304,12 +304,22 @@ class Pipeline {
     // seed() and shard() may come after load_state (restore, then join the
     // job): the pass checks them against the state again.
     if (resume_) check_state_envelope(resume_->saved, "conveyor.Pipeline", fingerprint(), "pass after load_state");
-    const PassContext context{epoch_++, seed_, shard_, timed_};
+    const PassContext context{epoch_, seed_, shard_, timed_};
     auto progress = std::make_shared<PassProgress>();
     progress->epoch = context.epoch;
     detail::ResetWalk walk;
+    if (resume_) walk.restoring = std::make_shared<const State>(resume_->nodes);
+    // A pass refused below (its state does not fit the data) leaves the
+    // pipeline where it stood: the same epoch, the state still loaded.
     std::optional<Resume> resume = std::exchange(resume_, std::nullopt);
-    if (resume) walk.restoring = std::make_shared<const State>(std::move(resume->nodes));
+    struct Refused {
+      Pipeline& pipeline;
+      std::optional<Resume>& resume;
+      bool accepted = false;
+      ~Refused() {
+        if (!accepted) pipeline.resume_ = std::move(resume);
+      }
+    } refused{*this, resume};
     node_->reset(context, walk);
     if (!walk.sharded && context.shard.count() > 1) {
       throw ValueError("pipeline: the pass runs as rank " + std::to_string(context.shard.rank) + " of " +
@@ -329,6 +339,8 @@ class Pipeline {
       progress->received = resume->received;
       progress->errors = resume->errors;
     }
+    refused.accepted = true;
+    ++epoch_;
     progress_ = progress;
     return Pass(*node_, std::move(progress));
   }
@@ -361,6 +373,11 @@ class Pipeline {
     resume.epoch = state.uint_at("epoch");
     resume.received = state.uint_at("received");
     resume.errors = state.uint_at("errors");
+    if (resume.errors > resume.received) {
+      throw StateError("load_state: the state's consumer had " + std::to_string(resume.errors) +
+                       " errors among " + std::to_string(resume.received) +
+                       " outputs received: errors are outputs, so at most as many");
+    }
     resume.nodes = state.at("nodes");
     if (!resume.nodes.is_object()) throw StateError("load_state: 'nodes' should be an object");
     epoch_ = resume.epoch;

@@ -873,6 +873,45 @@ TEST(PipelineResume, AShuffleStateSayingUpstreamEndedTooSoonIsRefused) {
   }
 }
 
+// A state whose count goes past the round repeat() was in: refused, not
+// skipped round after round (for ever, with no end to the rounds), and the
+// refused pass leaves the pipeline where it stood.
+TEST(PipelineResume, AReceivedCountPastTheSavedRoundIsRefused) {
+  auto endless = [] { return nodes::from_range(0, 10) | nodes::repeat(); };
+  State saved;
+  {
+    auto pipeline = endless();
+    auto pass = pipeline.pass();
+    for (int i = 0; i < 12; ++i) ASSERT_TRUE(pass.next());  // into round 1
+    saved = pipeline.state();
+  }
+  for (const uint64_t received : {uint64_t{25}, uint64_t{1} << 62}) {
+    State edited = saved;
+    edited.set("received", received);
+    auto pipeline = endless();
+    pipeline.load_state(edited);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        (void)pipeline.pass();
+        FAIL() << "a pass resumed after " << received << " items";
+      } catch (const StateError& error) {
+        EXPECT_NE(std::string(error.what()).find("was in round 1 when the state was taken"),
+                  std::string::npos)
+            << error.what();
+      }
+      EXPECT_EQ(pipeline.state().uint_at("epoch"), 0u) << "attempt " << attempt;
+    }
+    pipeline.load_state(saved);
+    auto pass = pipeline.pass();
+    const std::optional<int> next = pass.next();
+    ASSERT_TRUE(next.has_value());
+    EXPECT_EQ(*next, 2);
+  }
+  State more_errors = saved;
+  more_errors.set("errors", uint64_t{13});
+  EXPECT_THROW(endless().load_state(more_errors), StateError);
+}
+
 // A map handing items out as they finish, resumed behind a filter and a
 // prefetch (the filter takes the saved order again by pulling, beyond what
 // the consumer had): an input whose f fails under OnError::skip as it is

@@ -82,6 +82,7 @@ class Repeat final : public MeteredNode<T> {
     if (restoring) {
       const State* mine = restoring->find(std::to_string(this->id_));
       resume_.round = mine ? mine->uint_at("round") : 0;
+      resume_.round_saved = mine != nullptr;
       resume_.current = restoring;
       if (const State* previous = mine ? mine->find("previous") : nullptr) {
         resume_.previous = std::make_shared<const State>(*previous);
@@ -97,6 +98,11 @@ class Repeat final : public MeteredNode<T> {
   // outputs are pulled as produce() pulls them (upstream's skip() may not
   // follow a next() in a round, so the whole way).
   uint64_t skip(uint64_t count, bool clean) override {
+    skipping_ = true;
+    const struct Done {
+      bool& flag;
+      ~Done() { flag = false; }
+    } done{skipping_};
     uint64_t skipped = 0;
     if (!clean) {
       skipped = Node<T>::skip(count, clean);
@@ -185,6 +191,15 @@ class Repeat final : public MeteredNode<T> {
       round_ = times_;  // ended: produce() asks upstream no more
       return false;
     }
+    // This node is never behind its consumer: a skip for a state past the
+    // round the state saved counts more items than those rounds hold (and
+    // would otherwise go round after round, for ever with times = inf).
+    if (skipping_ && resume_.round_saved && round_ >= resume_.round) {
+      throw StateError("load_state: " + name() + " was in round " + std::to_string(resume_.round) +
+                       " when the state was taken, but the consumer's count of items received "
+                       "goes past the end of that round: the data is not what it was, or the "
+                       "state is not this pipeline's");
+    }
     const uint64_t version = begin_change();
     State finished = State::object();
     upstream_->save_extras(finished, true);
@@ -236,6 +251,7 @@ class Repeat final : public MeteredNode<T> {
     std::shared_ptr<const State> current;   // the saved round's
     std::shared_ptr<const State> previous;  // the round's before it
     bool upstream_saved = false;
+    bool round_saved = false;  // `round` is the state's, not a default
   };
 
   NodePtr<T> upstream_;
@@ -245,6 +261,7 @@ class Repeat final : public MeteredNode<T> {
   uint64_t round_key_ = 0;
   uint64_t round_ = 0;
   bool empty_round_ = true;
+  bool skipping_ = false;  // skip() is going on, for a resumed pass
   Resume resume_;
   std::atomic<uint64_t> version_{0};
   std::atomic<uint64_t> round_seen_{0};

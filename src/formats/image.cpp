@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <array>
 #include <climits>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <memory>
 #include <new>
 #include <span>
@@ -141,10 +143,20 @@ using TurboJpegHandle = std::unique_ptr<void, TurboJpegDeleter>;
 
 enum class TurboJpegRole { decompress, compress };
 
+TurboJpegHandle new_handle(TurboJpegRole role) {
+  TurboJpegHandle handle(role == TurboJpegRole::decompress ? tjInitDecompress() : tjInitCompress());
+  if (!handle) {
+    throw RuntimeError(std::string("TurboJPEG: cannot create a handle: ") + tjGetErrorStr2(nullptr));
+  }
+  return handle;
+}
+
 // One TurboJPEG handle per thread and role, created lazily and destroyed when
 // the thread exits. Handles are not thread-safe (each holds a libjpeg
 // decompressor's state), so they cannot be shared; making one per call costs
 // a malloc and libjpeg's setup on every image, which a thread-local avoids.
+// A decompressor keeps the quantization and Huffman tables of the images it
+// has read, though: see uses_only_its_own_tables.
 TurboJpegHandle& thread_slot(TurboJpegRole role) {
   thread_local TurboJpegHandle decompressor;
   thread_local TurboJpegHandle compressor;
@@ -153,13 +165,7 @@ TurboJpegHandle& thread_slot(TurboJpegRole role) {
 
 tjhandle thread_handle(TurboJpegRole role) {
   TurboJpegHandle& slot = thread_slot(role);
-  if (!slot) {
-    slot.reset(role == TurboJpegRole::decompress ? tjInitDecompress() : tjInitCompress());
-    if (!slot) {
-      throw RuntimeError(std::string("TurboJPEG: cannot create a handle: ") +
-                         tjGetErrorStr2(nullptr));
-    }
-  }
+  if (!slot) slot = new_handle(role);
   return slot.get();
 }
 
@@ -185,11 +191,132 @@ bool harmless_warning(const std::string& message) {
   return message.find("extraneous bytes before marker 0xd9") != std::string::npos;
 }
 
+// Whether every table the decode of `jpeg` uses is defined in `jpeg` itself.
+// libjpeg keeps DQT and DHT tables in the decompressor from one image to the
+// next (SOI resets only the restart interval and arithmetic conditioning),
+// so on a reused handle a file without its own tables decodes with the last
+// image's, and the result would depend on which worker read what before.
+// What libjpeg looks up: the quantization table of each component when the
+// first scan holding it starts; for Huffman coding, each scan's DC and AC
+// tables (progressive: DC for a first DC scan, AC for an AC scan). Walks the
+// marker segments, skipping entropy-coded data (up to a 0xFF that is not a
+// stuffed 0x00, a restart marker or fill). False also for a malformed marker
+// structure, which a fresh handle then reports.
+bool uses_only_its_own_tables(std::span<const uint8_t> jpeg) {
+  constexpr size_t kTableSlots = 4;
+  bool quantization_defined[kTableSlots] = {};
+  bool dc_defined[kTableSlots] = {};
+  bool ac_defined[kTableSlots] = {};
+  struct Component {
+    uint8_t id;
+    uint8_t quantization_table;
+    bool scanned;
+  };
+  // The frame's; libjpeg takes at most 10 (MAX_COMPONENTS). No heap: this
+  // runs before every decode.
+  std::array<Component, 10> components{};
+  size_t component_count = 0;
+  bool have_frame = false;
+  bool huffman = false;
+  bool progressive = false;
+  const size_t size = jpeg.size();
+  size_t at = 2;  // after SOI
+  for (;;) {
+    if (at >= size) return true;  // cut short: nothing more is decoded
+    if (jpeg[at] != 0xFF) return false;
+    while (at < size && jpeg[at] == 0xFF) ++at;  // fill bytes
+    if (at >= size) return true;
+    const uint8_t marker = jpeg[at++];
+    if (marker == 0xD9) return true;  // EOI
+    if (marker == 0xD8 || marker == 0x00) return false;
+    if ((marker >= 0xD0 && marker <= 0xD7) || marker == 0x01) continue;  // RSTn, TEM: no length
+    if (size - at < 2) return false;
+    const size_t length = size_t{jpeg[at]} << 8 | jpeg[at + 1];
+    if (length < 2 || length > size - at) return false;
+    const uint8_t* data = jpeg.data() + at + 2;
+    const size_t data_length = length - 2;
+    at += length;
+
+    if (marker == 0xDB) {  // DQT: Pq/Tq, then 64 samples of 8 (Pq 0) or 16 bits (Pq 1)
+      for (size_t i = 0; i < data_length;) {
+        const unsigned precision = data[i] >> 4;
+        const unsigned slot = data[i] & 0x0F;
+        const size_t table_length = 1 + (precision == 0 ? 64 : 128);
+        if (precision > 1 || slot >= kTableSlots || table_length > data_length - i) return false;
+        quantization_defined[slot] = true;
+        i += table_length;
+      }
+    } else if (marker == 0xC4) {  // DHT: Tc/Th, 16 code counts, the symbols
+      for (size_t i = 0; i < data_length;) {
+        if (data_length - i < 17) return false;
+        const unsigned table_class = data[i] >> 4;
+        const unsigned slot = data[i] & 0x0F;
+        size_t symbols = 0;
+        for (size_t k = 1; k <= 16; ++k) symbols += data[i + k];
+        if (table_class > 1 || slot >= kTableSlots || symbols > data_length - i - 17) return false;
+        (table_class == 0 ? dc_defined : ac_defined)[slot] = true;
+        i += 17 + symbols;
+      }
+    } else if ((marker >= 0xC0 && marker <= 0xCF) && marker != 0xC4 && marker != 0xC8 &&
+               marker != 0xCC) {  // SOFn: P, Y, X, Nf, then Ci, Hi/Vi, Tqi per component
+      if (have_frame || data_length < 6) return false;
+      const size_t count = data[5];
+      if (count == 0 || count > components.size() || data_length != 6 + 3 * count) return false;
+      for (size_t c = 0; c < count; ++c) {
+        const uint8_t slot = data[6 + 3 * c + 2];
+        if (slot >= kTableSlots) return false;
+        components[component_count++] = {data[6 + 3 * c], slot, false};
+      }
+      have_frame = true;
+      huffman = marker <= 0xC7;
+      progressive = marker == 0xC2 || marker == 0xC6;
+    } else if (marker == 0xDA) {  // SOS: Ns, Cs and Td/Ta per component, Ss, Se, Ah/Al
+      if (!have_frame || data_length < 1) return false;
+      const size_t count = data[0];
+      if (count == 0 || data_length != 1 + 2 * count + 3) return false;
+      const unsigned spectral_start = data[1 + 2 * count];
+      const unsigned successive_high = data[3 + 2 * count] >> 4;
+      const bool needs_dc = !progressive || (spectral_start == 0 && successive_high == 0);
+      const bool needs_ac = !progressive || spectral_start > 0;
+      for (size_t k = 0; k < count; ++k) {
+        const uint8_t id = data[1 + 2 * k];
+        const unsigned dc_slot = data[2 + 2 * k] >> 4;
+        const unsigned ac_slot = data[2 + 2 * k] & 0x0F;
+        const auto end = components.begin() + static_cast<std::ptrdiff_t>(component_count);
+        const auto component =
+            std::find_if(components.begin(), end, [id](const Component& c) { return c.id == id; });
+        if (component == end) return false;
+        if (!component->scanned && !quantization_defined[component->quantization_table]) {
+          return false;
+        }
+        component->scanned = true;
+        if (huffman && needs_dc && (dc_slot >= kTableSlots || !dc_defined[dc_slot])) return false;
+        if (huffman && needs_ac && (ac_slot >= kTableSlots || !ac_defined[ac_slot])) return false;
+      }
+      // The entropy-coded data runs to the next marker.
+      for (;;) {
+        const void* found = std::memchr(jpeg.data() + at, 0xFF, size - at);
+        if (found == nullptr) return true;
+        at = static_cast<size_t>(static_cast<const uint8_t*>(found) - jpeg.data());
+        if (at + 1 >= size) return true;
+        const uint8_t next = jpeg[at + 1];
+        if (next == 0xFF) {
+          at += 1;  // fill: the marker comes after
+        } else if (next == 0x00 || (next >= 0xD0 && next <= 0xD7)) {
+          at += 2;  // a stuffed 0xFF data byte, or a restart marker
+        } else {
+          break;
+        }
+      }
+    }
+  }
+}
+
 class JpegDecoder {
  public:
   JpegDecoder(std::span<const uint8_t> bytes, const ImageSource& source)
-      : bytes_(bytes), source_(source) {
-    tjhandle handle = thread_handle(TurboJpegRole::decompress);
+      : bytes_(bytes), source_(source), reuse_thread_handle_(uses_only_its_own_tables(bytes)) {
+    tjhandle handle = this->handle();
     int width = 0;
     int height = 0;
     int subsampling = -2;  // tjDecompressHeader3 stores -1 when it cannot classify it
@@ -202,14 +329,14 @@ class JpegDecoder {
       const bool only_unnamed_subsampling = subsampling == -1 && width > 0 && height > 0 &&
                                             colorspace >= 0 &&
                                             tjGetErrorCode(handle) == TJERR_FATAL;
-      std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+      std::string reason = take_error();
       if (!only_unnamed_subsampling) throw source.error("unreadable JPEG header: " + reason);
     } else if (width < 1 || height < 1 || colorspace < 0) {
       // TurboJPEG 2.1 returns success, filling in nothing, for a stream
       // with tables but no image, which is also what a header cut short
       // looks like once libjpeg has warned and inserted an end marker.
       const bool warned = tjGetErrorCode(handle) == TJERR_WARNING;
-      std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+      std::string reason = take_error();
       throw source.error("unreadable JPEG header: " +
                          (warned ? reason : std::string("no image in the data (tables only)")));
     }
@@ -248,8 +375,26 @@ class JpegDecoder {
   }
 
  private:
+  // This thread's handle, or for a file that would read tables left in it by
+  // other images, one of its own, made for this call only: such a file then
+  // decodes (or fails) the same on every worker.
+  tjhandle handle() {
+    if (reuse_thread_handle_) return thread_handle(TurboJpegRole::decompress);
+    if (!own_handle_) own_handle_ = new_handle(TurboJpegRole::decompress);
+    return own_handle_.get();
+  }
+
+  // The last call's error; the handle that failed is not used again (see
+  // take_error_and_discard).
+  std::string take_error() {
+    if (reuse_thread_handle_) return take_error_and_discard(TurboJpegRole::decompress);
+    std::string message = tjGetErrorStr2(own_handle_.get());
+    own_handle_.reset();
+    return message;
+  }
+
   void decompress(uint8_t* destination, int pixel_format) {
-    tjhandle handle = thread_handle(TurboJpegRole::decompress);
+    tjhandle handle = this->handle();
     // LIMITSCANS: a progressive file with thousands of tiny scans is a known
     // way to make libjpeg spin for minutes; it becomes an error instead.
     if (tjDecompress2(handle, bytes_.data(), bytes_.size(), destination, info_.width,
@@ -257,7 +402,7 @@ class JpegDecoder {
       return;
     }
     const bool warning = tjGetErrorCode(handle) == TJERR_WARNING;
-    std::string reason = take_error_and_discard(TurboJpegRole::decompress);
+    std::string reason = take_error();
     if (warning && harmless_warning(reason)) return;
     throw source_.error((warning ? "truncated or corrupt JPEG: " : "cannot decode JPEG: ") +
                         reason);
@@ -265,6 +410,8 @@ class JpegDecoder {
 
   std::span<const uint8_t> bytes_;
   const ImageSource& source_;
+  bool reuse_thread_handle_;
+  TurboJpegHandle own_handle_;
   ImageInfo info_;
   int colorspace_ = -1;
 };
@@ -291,35 +438,55 @@ class PngImage {
 
 constexpr int kGamma1Over2_2 = 45455;  // gAMA stores gamma * 100000
 
-// libpng's simplified API gamma-corrects to sRGB by the file's gAMA chunk (a
-// gamma 1.0 file comes out much brighter); PIL and torchvision ignore gAMA
-// and return the stored samples. Returns the file without its gAMA chunks,
-// or nothing when it needs no change (no gAMA, or the usual 1/2.2, which
-// libpng takes for sRGB): the common case costs no copy.
+// The ancillary chunks libpng's simplified API reads for the pixels: the
+// list png_image_skip_unused_chunks (pngread.c) keeps for the chunks after
+// IDAT. Those before IDAT it reads all, and keeps every zTXt and iTXt
+// inflated (up to 8 MB each, 1000 chunks): a small file of text chunks
+// would cost gigabytes.
+constexpr const char* kPixelChunks[] = {"tRNS", "bKGD", "cHRM", "gAMA", "iCCP",
+                                        "sBIT", "sRGB", "cICP", "mDCV"};
 
-std::vector<uint8_t> without_gamma_chunks(std::span<const uint8_t> png) {
-  std::vector<std::pair<size_t, size_t>> gamma_chunks;  // [begin, end) offsets
-  // Chunks until IDAT (gAMA must come before it): 4-byte big-endian length,
-  // 4-byte type, data, 4-byte CRC. Stops at anything malformed, which libpng
-  // then reports.
+bool is_pixel_chunk(const uint8_t* type) {
+  return std::any_of(std::begin(kPixelChunks), std::end(kPixelChunks),
+                     [type](const char* kept) { return std::memcmp(type, kept, 4) == 0; });
+}
+
+// Returns the file without the chunks before IDAT that the decode must not
+// read, or nothing when it has none (then it costs no copy).
+// Critical chunks (an upper-case first letter) stay, known or not, for
+// libpng to check. Of the ancillary ones, only kPixelChunks stay (text,
+// EXIF, pHYs, tIME, private chunks... go), and gAMA only when it is the
+// usual 1/2.2, which libpng takes for sRGB: libpng gamma-corrects to sRGB by
+// any other gAMA (a gamma 1.0 file comes out much brighter), whereas PIL and
+// torchvision ignore gAMA and return the stored samples.
+std::vector<uint8_t> without_unused_chunks(std::span<const uint8_t> png) {
+  std::vector<std::pair<size_t, size_t>> dropped;  // [begin, end) offsets
+  // Chunks until IDAT: 4-byte big-endian length, 4-byte type, data, 4-byte
+  // CRC. Stops at anything malformed, which libpng then reports.
+  constexpr size_t kMaxChunkLength = 0x7FFFFFFF;  // PNG's limit
   size_t at = sizeof kPngMagic;
   while (at + 12 <= png.size()) {
     const uint8_t* chunk = png.data() + at;
+    const uint8_t* type = chunk + 4;
     const size_t length =
         size_t{chunk[0]} << 24 | size_t{chunk[1]} << 16 | size_t{chunk[2]} << 8 | size_t{chunk[3]};
-    if (length > png.size() - at - 12 || std::memcmp(chunk + 4, "IDAT", 4) == 0) break;
+    if (length > kMaxChunkLength || length > png.size() - at - 12 ||
+        std::memcmp(type, "IDAT", 4) == 0) {
+      break;
+    }
+    const bool critical = (type[0] & 0x20) == 0;
     const bool srgb_gamma = length == 4 && chunk[8] == 0 && chunk[9] == 0 &&
                             (chunk[10] << 8 | chunk[11]) == kGamma1Over2_2;
-    if (std::memcmp(chunk + 4, "gAMA", 4) == 0 && !srgb_gamma) {
-      gamma_chunks.emplace_back(at, at + 12 + length);
-    }
+    const bool keep = critical || (std::memcmp(type, "gAMA", 4) == 0 ? srgb_gamma
+                                                                      : is_pixel_chunk(type));
+    if (!keep) dropped.emplace_back(at, at + 12 + length);
     at += 12 + length;
   }
-  if (gamma_chunks.empty()) return {};
+  if (dropped.empty()) return {};
   std::vector<uint8_t> stripped;
   stripped.reserve(png.size());
   size_t kept_from = 0;
-  for (const auto& [begin, end] : gamma_chunks) {
+  for (const auto& [begin, end] : dropped) {
     stripped.insert(stripped.end(), png.begin() + static_cast<std::ptrdiff_t>(kept_from),
                     png.begin() + static_cast<std::ptrdiff_t>(begin));
     kept_from = end;
@@ -331,7 +498,7 @@ std::vector<uint8_t> without_gamma_chunks(std::span<const uint8_t> png) {
 class PngDecoder {
  public:
   PngDecoder(std::span<const uint8_t> bytes, const ImageSource& source)
-      : stripped_(without_gamma_chunks(bytes)), source_(source) {
+      : stripped_(without_unused_chunks(bytes)), source_(source) {
     // libpng reads the pixels from this memory again in finish_read.
     const std::span<const uint8_t> file = stripped_.empty() ? bytes : stripped_;
     if (png_image_begin_read_from_memory(png_.get(), file.data(), file.size()) == 0) {

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <sys/resource.h>
@@ -958,6 +959,81 @@ TEST(JpegErrors, FailureDoesNotPoisonTheThreadsDecoder) {
   }
 }
 
+// `jpeg` without its marker segments of type `marker` before the first SOS.
+std::vector<uint8_t> without_jpeg_segments(const std::vector<uint8_t>& jpeg, uint8_t marker) {
+  std::vector<uint8_t> out(jpeg.begin(), jpeg.begin() + 2);  // SOI
+  size_t at = 2;
+  while (at + 4 <= jpeg.size() && jpeg[at] == 0xFF && jpeg[at + 1] != 0xDA) {
+    const size_t end = at + 2 + (size_t{jpeg[at + 2]} << 8 | jpeg[at + 3]);
+    if (jpeg[at + 1] != marker) {
+      out.insert(out.end(), jpeg.begin() + static_cast<std::ptrdiff_t>(at),
+                 jpeg.begin() + static_cast<std::ptrdiff_t>(end));
+    }
+    at = end;
+  }
+  out.insert(out.end(), jpeg.begin() + static_cast<std::ptrdiff_t>(at), jpeg.end());
+  return out;
+}
+
+// What decode_image makes of `bytes`: its pixels, or its error message.
+using DecodeOutcome = std::pair<std::vector<uint8_t>, std::string>;
+
+DecodeOutcome decode_outcome(std::span<const uint8_t> bytes, const std::string& name) {
+  try {
+    return {values_of(decode_image(bytes, name)), ""};
+  } catch (const DataError& error) {
+    return {{}, error.what()};
+  }
+}
+
+// The same on a thread that has decoded nothing before.
+DecodeOutcome decode_on_a_new_thread(std::span<const uint8_t> bytes, const std::string& name) {
+  DecodeOutcome outcome;
+  std::thread([&] { outcome = decode_outcome(bytes, name); }).join();
+  return outcome;
+}
+
+// libjpeg keeps the tables of the images a handle has read. Before the fix a
+// JPEG without its own DQT failed on a new worker thread but decoded, with
+// the previous image's quantization, on a thread that had read a JPEG.
+TEST(JpegErrors, MissingTablesFailTheSameAfterAnotherDecode) {
+  const std::vector<uint8_t> jpeg = encode_jpeg(smooth_image(3, 16, 16), 90);
+  const std::vector<uint8_t> no_dqt = without_jpeg_segments(jpeg, 0xDB);
+  ASSERT_LT(no_dqt.size(), jpeg.size());
+  const std::string fresh_error = decode_on_a_new_thread(no_dqt, "no-dqt.jpg").second;
+  EXPECT_NE(fresh_error.find("no-dqt.jpg: cannot decode JPEG: "), std::string::npos) << fresh_error;
+  const DecodeOutcome whole = decode_on_a_new_thread(jpeg, "with-tables.jpg");
+  ASSERT_EQ(whole.second, "");
+  std::thread([&] {
+    EXPECT_EQ(decode_outcome(jpeg, "with-tables.jpg"), whole);
+    EXPECT_EQ(decode_outcome(no_dqt, "no-dqt.jpg"), (DecodeOutcome{{}, fresh_error}));
+    // read_image_info needs no table, so it reads the header either way.
+    EXPECT_EQ(read_image_info(no_dqt, "no-dqt.jpg").width, 16);
+    EXPECT_EQ(decode_outcome(no_dqt, "no-dqt.jpg"), (DecodeOutcome{{}, fresh_error}));
+    // And the thread's own handle still decodes a whole file.
+    EXPECT_EQ(decode_outcome(jpeg, "with-tables.jpg"), whole);
+  }).join();
+}
+
+// Without DHT, a sequential JPEG decodes with libjpeg's standard Huffman
+// tables (those TurboJPEG encodes with), not with the optimized ones a
+// progressive file left in the handle; before the fix it failed after one.
+TEST(JpegDecode, MissingHuffmanTablesAreTheStandardOnesAfterAnotherDecode) {
+  const Array<uint8_t> image = noise_image(3, 16, 16, 18);
+  const std::vector<uint8_t> jpeg = encode_jpeg(image, 90);
+  const std::vector<uint8_t> no_dht = without_jpeg_segments(jpeg, 0xC4);
+  ASSERT_LT(no_dht.size(), jpeg.size());
+  const DecodeOutcome expected = {values_of(decode_image(jpeg, "with-tables.jpg")), ""};
+  EXPECT_EQ(decode_on_a_new_thread(no_dht, "no-dht.jpg"), expected);
+  const DecodeOutcome progressive = {planar(kPilProgressiveJpegPixels, 3, 9, 13), ""};
+  std::thread([&] {
+    // PIL's progressive files have optimized tables, defined before each scan.
+    EXPECT_EQ(decode_outcome(span_of(kPilProgressiveJpeg), "progressive.jpg"), progressive);
+    EXPECT_EQ(decode_outcome(no_dht, "no-dht.jpg"), expected);
+    EXPECT_EQ(decode_outcome(span_of(kPilProgressiveJpeg), "progressive.jpg"), progressive);
+  }).join();
+}
+
 TEST(PngErrors, Truncated) {
   const std::vector<uint8_t> png = encode_png(noise_image(3, 20, 20, 13));
   const auto [idat, idat_length] = png_chunk(png, "IDAT");
@@ -1087,6 +1163,89 @@ TEST(ImageBombs, OutOfMemoryIsADataErrorNamingTheImage) {
                   },
                   {"huge.png: out of memory decoding the image"}),
               ::testing::ExitedWithCode(0), "");
+}
+
+// zlib's compress() of `bytes`, as zTXt and iTXt store text.
+std::vector<uint8_t> zlib_compressed(const std::vector<uint8_t>& bytes) {
+  uLongf size = compressBound(static_cast<uLong>(bytes.size()));
+  std::vector<uint8_t> compressed(size);
+  EXPECT_EQ(compress2(compressed.data(), &size, bytes.data(), static_cast<uLong>(bytes.size()), 9),
+            Z_OK);
+  compressed.resize(size);
+  return compressed;
+}
+
+// `png` with `chunks` (type, data) inserted right after IHDR.
+std::vector<uint8_t> with_chunks_after_header(
+    const std::vector<uint8_t>& png,
+    const std::vector<std::pair<const char*, std::vector<uint8_t>>>& chunks) {
+  const auto [ihdr, ihdr_length] = png_chunk(png, "IHDR");
+  const auto after_ihdr = png.begin() + static_cast<std::ptrdiff_t>(ihdr + ihdr_length + 4);
+  std::vector<uint8_t> out(png.begin(), after_ihdr);
+  for (const auto& [type, data] : chunks) append_png_chunk(out, type, data);
+  out.insert(out.end(), after_ihdr, png.end());
+  return out;
+}
+
+// ru_maxrss in bytes.
+uint64_t peak_resident_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Before the fix libpng inflated every zTXt and iTXt chunk before IDAT and
+// kept it until the end of the decode: these 50 chunks, 8 KB each in the
+// file, held 50 x 7.9 MB.
+TEST(ImageBombs, TextChunksBeforeIdatDoNotCostMemory) {
+  const std::vector<uint8_t> text = zlib_compressed(std::vector<uint8_t>(7'900'000, 'a'));
+  std::vector<std::pair<const char*, std::vector<uint8_t>>> chunks;
+  for (int i = 0; i < 50; ++i) {
+    const std::string keyword = "key" + std::to_string(i);
+    std::vector<uint8_t> data(keyword.begin(), keyword.end());
+    if (i % 2 == 0) {  // zTXt: keyword, 0, method 0, zlib data
+      data.insert(data.end(), {0, 0});
+    } else {  // iTXt: keyword, 0, compressed, method 0, no language, no translated keyword
+      data.insert(data.end(), {0, 1, 0, 0, 0});
+    }
+    data.insert(data.end(), text.begin(), text.end());
+    chunks.emplace_back(i % 2 == 0 ? "zTXt" : "iTXt", std::move(data));
+  }
+  const Array<uint8_t> pixel = make_image(1, 1, 1, [](int64_t, int64_t, int64_t) { return 77; });
+  const std::vector<uint8_t> png = with_chunks_after_header(encode_png(pixel), chunks);
+  ASSERT_LT(png.size(), 1'000'000u);
+  EXPECT_EXIT(exit_zero_if_under_cap([&]() -> std::string {
+                const uint64_t peak_before = peak_resident_bytes();
+                const Array<uint8_t> decoded = decode_image(png, "text.png");
+                const uint64_t growth = peak_resident_bytes() - peak_before;
+                if (values_of(decoded) != std::vector<uint8_t>{77}) return "wrong pixel";
+                if (growth >= uint64_t{64} << 20) {
+                  return "the decode raised the peak resident size by " +
+                         std::to_string(growth >> 20) + " MiB";
+                }
+                return "";
+              }),
+              ::testing::ExitedWithCode(0), "");
+}
+
+// What the decode no longer reads (text, physical size, time, a private
+// chunk) never changed the pixels; the chunks libpng uses for them stay.
+TEST(PngDecode, AncillaryChunksBeforeIdatLeaveThePixels) {
+  const std::vector<uint8_t> png = encode_png(noise_image(3, 5, 4, 17));
+  const std::vector<uint8_t> expected = values_of(decode_image(png, "plain.png"));
+  const std::vector<uint8_t> latin1 = {'T', 'i', 't', 'l', 'e', 0, 'x'};
+  std::vector<uint8_t> compressed_text = {'C', 'o', 'm', 'm', 'e', 'n', 't', 0, 0};
+  const std::vector<uint8_t> comment = zlib_compressed({'h', 'i'});
+  compressed_text.insert(compressed_text.end(), comment.begin(), comment.end());
+  const std::vector<uint8_t> decorated = with_chunks_after_header(
+      png, {{"tEXt", latin1},
+            {"zTXt", compressed_text},
+            {"pHYs", {0, 0, 11, 19, 0, 0, 11, 19, 1}},
+            {"tIME", {7, 232, 1, 2, 3, 4, 5}},
+            {"prVt", {1, 2, 3}},
+            {"gAMA", {0, 0, 0xB1, 0x8F}}});  // 1/2.2, kept
+  ASSERT_GT(decorated.size(), png.size());
+  EXPECT_EQ(values_of(decode_image(decorated, "decorated.png")), expected);
 }
 
 TEST(ImagePixelLimit, DefaultIsPillowsErrorThreshold) {

@@ -26,7 +26,8 @@ class IdxFile {
   // that does not match the dimensions. A gzip stream is inflated no further
   // than the size its IDX header declares (plus one byte, to see that it
   // goes on), so memory follows the header and what really decompresses,
-  // not the compression ratio. A file too big for the memory left is a
+  // not the compression ratio. A raw file's size is checked against its
+  // header before its data is read. A file too big for the memory left is a
   // DataError naming it as well.
   static IdxFile open(const std::string& path);
   // The same from bytes in memory (raw or gzip'd); `name` is used in errors.

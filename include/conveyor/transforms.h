@@ -22,7 +22,8 @@ namespace conveyor {
 // torchvision.transforms.RandomCrop(size, padding): zero-pad every side by
 // `padding`, then crop size x size at a random offset (randint for the row,
 // then for the column; no draw when the padded image is already that size).
-// Throws ValueError if the padded image is smaller than `size`.
+// Throws ValueError if the padded image is smaller than `size`, or if the
+// crop is more than memory can hold (before anything is drawn).
 struct RandomCrop {
   int64_t size = 0;
   int64_t padding = 0;

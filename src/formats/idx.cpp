@@ -32,6 +32,7 @@ constexpr uint8_t kGzipMagic1 = 0x8b;
 constexpr uint8_t kUnsignedByteType = 0x08;
 constexpr size_t kIdxMagicBytes = 4;  // 0x00 0x00 <type> <dimension count>
 constexpr size_t kDimensionBytes = 4;
+constexpr size_t kMaxIdxHeaderBytes = kIdxMagicBytes + 255 * kDimensionBytes;
 // The gzip trailer's size is believed up to this many bytes per compressed
 // byte (MNIST compresses about 2:1; deflate's limit is about 1032:1), so a
 // corrupt trailer cannot make a small file allocate gigabytes up front; a
@@ -218,7 +219,7 @@ class GzipReader {
   bool ended_ = false;
 };
 
-// Closes the descriptor however read_file leaves.
+// Closes the descriptor however the reading ends.
 struct FileDescriptor {
   int fd;
   ~FileDescriptor() {
@@ -226,18 +227,18 @@ struct FileDescriptor {
   }
 };
 
-// Reads a whole regular file (see open_regular_file: nothing else is read).
-std::vector<uint8_t> read_file(const std::string& path) {
-  OpenedFile opened = open_regular_file(path);
-  if (!opened.problem.empty()) throw DataError(opened.problem, path);
-  FileDescriptor file{opened.fd};
-  // Sized from fstat with a spare byte, so the end of the file is seen
-  // without growing; a file that grows meanwhile still reads whole.
-  const size_t expected = static_cast<size_t>(opened.size);
-  std::vector<uint8_t> contents(std::max<size_t>(expected + 1, kMinimumOutputBytes));
-  size_t filled = 0;
-  for (;;) {
-    if (filled == contents.size()) contents.resize(contents.size() * 2);
+// Reads from `file` onto the end of `contents` until the end of the file, or
+// until `contents` holds `limit` bytes. Room is made for the `expected`
+// bytes in all (fstat's size, or `limit` when smaller) and a spare byte, so
+// the end of the file is seen without growing; a file that grows meanwhile
+// still reads whole.
+void read_more(const FileDescriptor& file, size_t expected, size_t limit,
+               std::vector<uint8_t>& contents, const std::string& path) {
+  size_t filled = contents.size();
+  const size_t room = std::min(std::max<size_t>(expected + 1, kMinimumOutputBytes), limit);
+  contents.resize(std::max(room, filled));
+  while (filled < limit) {
+    if (filled == contents.size()) contents.resize(std::min(contents.size() * 2, limit));
     const ssize_t count = ::read(file.fd, contents.data() + filled, contents.size() - filled);
     if (count == 0) break;
     if (count < 0) {
@@ -247,7 +248,6 @@ std::vector<uint8_t> read_file(const std::string& path) {
     filled += static_cast<size_t>(count);
   }
   contents.resize(filled);
-  return contents;
 }
 
 uint32_t read_big_endian_u32(const uint8_t* bytes) {
@@ -334,6 +334,21 @@ IdxHeader read_idx_header(std::span<const uint8_t> bytes, const std::string& nam
   return header;
 }
 
+// Throws DataError unless `found_bytes` after the header are exactly the
+// data the header declares.
+void check_data_size(const IdxHeader& header, size_t found_bytes, const std::string& name) {
+  if (found_bytes < header.data_bytes) {
+    throw DataError("truncated IDX data: " + header.data_needed() + ", but the file has only " +
+                        std::to_string(found_bytes),
+                    name);
+  }
+  if (found_bytes > header.data_bytes) {
+    throw DataError(header.data_needed() + ", but the file has " +
+                        std::to_string(found_bytes - header.data_bytes) + " more (trailing data)",
+                    name);
+  }
+}
+
 // Decompresses a gzip'd IDX file, inflating no more than its header
 // declares: the header first, then the size it gives plus one byte, which
 // tells a longer stream (trailing data, or a gzip bomb of gigabytes behind
@@ -365,17 +380,7 @@ std::vector<uint8_t> gunzip_idx(std::span<const uint8_t> compressed, const std::
 IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
                              const std::string& name) {
   IdxHeader header = read_idx_header(*buffer, name);
-  const size_t found_bytes = buffer->size() - header.header_bytes;
-  if (found_bytes < header.data_bytes) {
-    throw DataError("truncated IDX data: " + header.data_needed() + ", but the file has only " +
-                        std::to_string(found_bytes),
-                    name);
-  }
-  if (found_bytes > header.data_bytes) {
-    throw DataError(header.data_needed() + ", but the file has " +
-                        std::to_string(found_bytes - header.data_bytes) + " more (trailing data)",
-                    name);
-  }
+  check_data_size(header, buffer->size() - header.header_bytes, name);
 
   IdxFile file;
   file.name_ = name;
@@ -389,7 +394,21 @@ IdxFile IdxFile::from_buffer(std::shared_ptr<std::vector<uint8_t>> buffer,
 
 IdxFile IdxFile::open(const std::string& path) {
   try {
-    std::vector<uint8_t> contents = read_file(path);
+    OpenedFile opened = open_regular_file(path);
+    if (!opened.problem.empty()) throw DataError(opened.problem, path);
+    FileDescriptor file{opened.fd};
+    const size_t file_bytes = static_cast<size_t>(opened.size);
+    std::vector<uint8_t> contents;
+    read_more(file, file_bytes, kMaxIdxHeaderBytes, contents, path);
+    if (!is_gzip(contents)) {
+      // A raw file's size is checked against its header before the data is
+      // read: a few bytes declaring little, in a file of gigabytes (sparse,
+      // or not), must not cost gigabytes.
+      const IdxHeader header = read_idx_header(contents, path);
+      const size_t found_bytes = std::max(file_bytes, contents.size()) - header.header_bytes;
+      check_data_size(header, found_bytes, path);
+    }
+    read_more(file, file_bytes, std::numeric_limits<size_t>::max(), contents, path);
     if (is_gzip(contents)) contents = gunzip_idx(contents, path);
     return from_buffer(std::make_shared<std::vector<uint8_t>>(std::move(contents)), path);
   } catch (const std::bad_alloc&) {

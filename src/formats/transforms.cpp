@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +40,30 @@ int64_t draw_offset(int64_t high) {
   return offset;
 }
 
+// The crop's output, allocated before anything is drawn: torchvision pads
+// (allocates) before it draws, so a crop too big for memory fails there
+// without consuming a draw, and so it does here, as a conveyor error naming
+// the sizes rather than a std::bad_alloc.
+template <class T>
+Array<T> allocate_crop(const RandomCrop& crop, const Array<T>& image) {
+  const std::vector<int64_t> shape = {image.shape()[0], crop.size, crop.size};
+  const auto too_big = [&] {
+    return ValueError("RandomCrop: size " + std::to_string(crop.size) + " with padding " +
+                      std::to_string(crop.padding) + " makes a " + shape_string(shape) +
+                      " crop of the " + shape_string(image.shape()) +
+                      " image, more than memory can hold");
+  };
+  size_t bytes = sizeof(T);
+  for (int64_t extent : shape) {
+    if (__builtin_mul_overflow(bytes, static_cast<size_t>(extent), &bytes)) throw too_big();
+  }
+  try {
+    return Array<T>(shape);
+  } catch (const std::bad_alloc&) {
+    throw too_big();
+  }
+}
+
 template <class T>
 Array<T> random_crop(const RandomCrop& crop, const Array<T>& image) {
   const ImageExtent in = image_extent(image, "RandomCrop");
@@ -60,6 +85,7 @@ Array<T> random_crop(const RandomCrop& crop, const Array<T>& image) {
                      std::to_string(crop.size) + ") is larger than input image size (" +
                      std::to_string(padded_height) + ", " + std::to_string(padded_width) + ")");
   }
+  Array<T> out = allocate_crop(crop, image);
   // RandomCrop.get_params: no draw when the crop is the whole padded image;
   // otherwise the row offset first, then the column offset.
   int64_t top = 0;
@@ -69,7 +95,6 @@ Array<T> random_crop(const RandomCrop& crop, const Array<T>& image) {
     left = draw_offset(padded_width - crop.size + 1);
   }
 
-  Array<T> out({in.channels, crop.size, crop.size});
   // Window (top, left) of the padded image, in source coordinates: it starts
   // `padding` before the source, so rows and columns outside [0, extent) are
   // the zero padding.

@@ -504,6 +504,34 @@ TEST_F(IdxErrorTest, GzipBombStopsAtTheSizeTheHeaderDeclares) {
               testing::ExitedWithCode(0), "");
 }
 
+// A raw file of 9 bytes that declare one byte of data, then 512 MiB of
+// nothing (sparse: no disk, reads as zeros). Before the fix open() read it
+// all before comparing sizes: 512 MiB allocated and filled (under the cap,
+// std::bad_alloc: an "out of memory" DataError instead of "trailing data").
+TEST_F(IdxErrorTest, RawFileLongerThanItsHeaderDeclaresIsRefusedUnread) {
+  const std::string path = write("sparse-idx1-ubyte", idx_bytes(0x08, {1}, {7}));
+  constexpr off_t kFileBytes = off_t{512} << 20;
+  ASSERT_EQ(truncate(path.c_str(), kFileBytes), 0);
+  const std::string trailing = std::to_string(kFileBytes - 9) + " more (trailing data)";
+  EXPECT_EXIT(exit_zero_if_under_cap([&] {
+                rusage usage{};
+                getrusage(RUSAGE_SELF, &usage);
+                const long peak_before_kib = usage.ru_maxrss;
+                std::string complaint = conveyor::testing::data_error_mismatch(
+                    [&] { IdxFile::open(path); },
+                    {path + ": IDX dimensions [1] of unsigned byte (0x08) need 1 data bytes",
+                     trailing});
+                getrusage(RUSAGE_SELF, &usage);
+                const long growth_mib = (usage.ru_maxrss - peak_before_kib) >> 10;
+                if (complaint.empty() && growth_mib >= 64) {
+                  complaint = "open() raised the peak resident size by " +
+                              std::to_string(growth_mib) + " MiB";
+                }
+                return complaint;
+              }),
+              testing::ExitedWithCode(0), "");
+}
+
 // A file that really holds what its header declares, 1 GiB, with less
 // memory than that left: a DataError naming it, not a std::bad_alloc (which
 // is what escaped before the fix: the child exited 2).

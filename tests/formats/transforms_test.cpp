@@ -186,6 +186,39 @@ TEST(TransformRandomCrop, RejectsBadArguments) {
   EXPECT_THROW((RandomCrop{2, 0}(Array<uint8_t>({5, 6}))), ValueError);
 }
 
+// Padding makes a crop far larger than the image legitimate, and then the
+// output itself may not fit in memory. Before the fix both offsets were drawn
+// first, then Array threw (std::bad_alloc, not a conveyor error, for the
+// 9 * 10^18 bytes of the first case).
+TEST(TransformRandomCrop, CropTooBigForMemoryIsAValueErrorBeforeAnyDraw) {
+  Generator worker(3);
+  const std::vector<uint8_t> state = worker.get_state();
+  detail::WorkerScope scope(nullptr, &worker);
+  const RandomCrop crop{3'000'000'000, 1'500'000'000};  // padded 3000000001 x 3000000001
+#if !defined(__SANITIZE_ADDRESS__)  // AddressSanitizer aborts on the allocation instead
+  try {
+    crop(coordinate_image<uint8_t>(1, 1, 1));
+    ADD_FAILURE() << "no ValueError";
+  } catch (const ValueError& error) {
+    EXPECT_EQ(std::string(error.what()),
+              "RandomCrop: size 3000000000 with padding 1500000000 makes a "
+              "[1, 3000000000, 3000000000] crop of the [1, 1, 1] image, more than memory can "
+              "hold");
+  }
+#endif
+  // Three float channels: more bytes than a size_t counts, refused unallocated.
+  try {
+    crop(coordinate_image<float>(3, 1, 1));
+    ADD_FAILURE() << "no ValueError";
+  } catch (const ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("RandomCrop: size 3000000000 with padding "
+                                             "1500000000 makes a [3, 3000000000, 3000000000]"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(worker.get_state(), state);
+}
+
 template <class T>
 void check_flip_matches_reference_draws() {
   const Array<T> image = coordinate_image<T>(2, 3, 5);

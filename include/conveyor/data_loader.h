@@ -309,7 +309,7 @@ class DataLoader {
       core.epoch = epoch;
       core.resume.reset();
       if (resume) {
-        apply_epoch_start(progress->start);
+        apply_epoch_start(read_epoch_start(progress->start));
         core.pending_resume = std::move(resume);
       } else if (drew_persistent_seed) {
         core.persistent_base_seed.reset();
@@ -421,7 +421,7 @@ class DataLoader {
     refuse_other_worker_count(state);
     check_state_envelope(state, "conveyor.DataLoader", fingerprint(), "load_state_dict");
     const uint64_t next_epoch = state.uint_at("next_epoch");
-    const State& start = state.at("start");
+    const EpochStart start = read_epoch_start(state.at("start"));
     std::optional<detail::LoaderResume> resume;
     if (const State* epoch = state.find("epoch")) {
       resume.emplace();
@@ -438,12 +438,9 @@ class DataLoader {
                          " workers' generators for a loader with num_workers=" + std::to_string(core.plan.num_workers));
       }
     }
-    // Everything is read, the generators' texts on scratch engines: now
-    // change the loader, the sampler first (its own checks may refuse).
-    const std::string& generator_text = start.string_at("generator");
-    const State* process = start.find("process_generator");
-    check_generator_text(generator_text, "start.generator");
-    if (process) check_generator_text(process->as_string("process_generator"), "start.process_generator");
+    // Everything is read and checked, the generators' texts on scratch
+    // engines: now change the loader, the sampler first (its own checks may
+    // refuse; nothing has changed then).
     apply_epoch_start(start);
     core.epoch = next_epoch;
     if (resume) resume->epoch = next_epoch;
@@ -549,18 +546,38 @@ class DataLoader {
     return start;
   }
 
-  // Puts the generators, sampler and persistent base seed back as
-  // epoch_start() saw them (texts already checked).
-  void apply_epoch_start(const State& start) {
-    Core& core = *core_;
-    if (core.plan.index_sampler) core.plan.index_sampler->load_state(start.at("sampler"));
-    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), start.string_at("generator"));
+  // An epoch_start() read back and checked: what apply_epoch_start() puts
+  // back, all of it read before the loader changes (a field read while
+  // applying left a refused state half loaded).
+  struct EpochStart {
+    const State* sampler = nullptr;  // within the state read
+    std::string generator;
+    std::optional<std::string> process_generator;
+    std::optional<int64_t> persistent_base_seed;
+  };
+  EpochStart read_epoch_start(const State& start) const {
+    EpochStart out;
+    if (core_->plan.index_sampler) out.sampler = &start.at("sampler");
+    out.generator = start.string_at("generator");
+    check_generator_text(out.generator, "start.generator");
     if (const State* process = start.find("process_generator")) {
-      restore_generator(default_generator(), process->as_string("process_generator"));
+      out.process_generator = process->as_string("process_generator");
+      check_generator_text(*out.process_generator, "start.process_generator");
     }
     const State& persistent = start.at("persistent_base_seed");
-    core.persistent_base_seed =
-        persistent.is_null() ? std::nullopt : std::optional<int64_t>(persistent.as_int("persistent_base_seed"));
+    if (!persistent.is_null()) out.persistent_base_seed = persistent.as_int("persistent_base_seed");
+    return out;
+  }
+
+  // Puts the generators, sampler and persistent base seed back as
+  // epoch_start() saw them. Only the sampler's load_state() may refuse, and
+  // it goes first.
+  void apply_epoch_start(const EpochStart& start) {
+    Core& core = *core_;
+    if (start.sampler) core.plan.index_sampler->load_state(*start.sampler);
+    restore_generator(core.plan.generator ? *core.plan.generator : default_generator(), start.generator);
+    if (start.process_generator) restore_generator(default_generator(), *start.process_generator);
+    core.persistent_base_seed = start.persistent_base_seed;
   }
 
   static std::string generator_text(const Generator& generator) {
@@ -624,6 +641,17 @@ class DataLoader {
     if (iterable != !position.lanes.empty() || (iterable && position.lanes.size() != lanes)) {
       throw StateError("load_state_dict: the state's epoch was saved with " + std::to_string(position.lanes.size()) +
                        " replicas, this loader has " + std::to_string(iterable ? lanes : 0));
+    }
+    // A replica passes over its prefix by skipping prefix x batch_size
+    // samples: a product that wraps would skip next to none.
+    const uint64_t wanted = plan.auto_collation ? plan.batch_size : 1;
+    for (size_t lane = 0; lane < position.lanes.size(); ++lane) {
+      uint64_t samples = 0;
+      if (__builtin_mul_overflow(position.lanes[lane].prefix, wanted, &samples)) {
+        throw StateError("load_state_dict: 'lanes[" + std::to_string(lane) + "].prefix' (" +
+                         std::to_string(position.lanes[lane].prefix) + ") batches of " + std::to_string(wanted) +
+                         " samples are more samples than a replica can pass over (2^64)");
+      }
     }
     const size_t generators = plan.scheduling == Scheduling::round_robin ? lanes : 0;
     if (position.generators.size() > generators) {

@@ -106,6 +106,10 @@ GeneratorPosition generator_from_state(const State& state) {
   GeneratorPosition position;
   position.seed = state.uint_at("seed");
   position.draws = state.uint_at("draws");
+  if (position.draws > kMostReplayedDraws) {
+    throw StateError("load_state_dict: a generator position's 'draws' (" + std::to_string(position.draws) +
+                     ") is more than a resume replays (at most " + std::to_string(kMostReplayedDraws) + ")");
+  }
   if (const State* origin = state.find("origin")) {
     const std::string& text = origin->as_string("origin");
     position.origin = std::make_shared<const std::vector<uint8_t>>(text.begin(), text.end());
@@ -199,17 +203,53 @@ EpochPosition epoch_position_from_state(const State& state) {
                        errors->to_json().substr(0, 200));
     }
   }
+  // Every batch received is in one set, once: 'received' counts them again.
+  uint64_t in_sets = 0;
+  bool overflow = false;
+  auto count = [&](const ReceivedSet& set) {
+    overflow |= __builtin_add_overflow(in_sets, set.prefix, &in_sets);
+    overflow |= __builtin_add_overflow(in_sets, set.beyond.size(), &in_sets);
+    return set.prefix + set.beyond.size();  // the sets' checks keep beyond above prefix: no wrap
+  };
+  count(position.batches);
   if (const State* lanes = state.find("lanes")) {
+    if (position.batches.prefix > 0 || !position.batches.beyond.empty()) {
+      throw StateError("load_state_dict: an iterable dataset's epoch counts its batches in 'lanes', but 'batches' "
+                       "holds some: " + state.at("batches").to_json().substr(0, 200));
+    }
     for (const State& entry : lanes->items()) {
-      position.lanes.push_back(set_from_state(entry));
+      const std::string lane = "'lanes[" + std::to_string(position.lanes.size()) + "].";
+      const ReceivedSet& set = position.lanes.emplace_back(set_from_state(entry));
+      const uint64_t received = count(set);
       position.lane_failures.push_back(entry.uint_at("failures"));
       position.lane_end.push_back(entry.int_at("end"));
+      if (position.lane_failures.back() > received) {
+        throw StateError("load_state_dict: " + lane + "failures' (" + std::to_string(position.lane_failures.back()) +
+                         ") should be at most the batches received from that replica (" + std::to_string(received) +
+                         ")");
+      }
+      // Its end is the count it made, known once received: every batch
+      // received from it is below that.
+      const int64_t end = position.lane_end.back();
+      if (end < -1 || (end >= 0 && (set.prefix > static_cast<uint64_t>(end) ||
+                                    (!set.beyond.empty() && set.beyond.back() >= static_cast<uint64_t>(end))))) {
+        throw StateError("load_state_dict: " + lane + "end' (" + std::to_string(end) +
+                         ") should be -1 (not reached) or the batches that replica made, above every one received "
+                         "from it (" + entry.at("prefix").to_json() + " in turn, " +
+                         entry.at("beyond").to_json().substr(0, 200) + " beyond)");
+      }
     }
     position.next_lane = state.uint_at("next_lane");
     if (position.lanes.empty() || position.next_lane >= position.lanes.size()) {
       throw StateError("load_state_dict: 'next_lane' should name one of the " + std::to_string(position.lanes.size()) +
                        " replicas, but it is " + std::to_string(position.next_lane));
     }
+  }
+  if (overflow || in_sets != position.received) {
+    throw StateError("load_state_dict: 'received' (" + std::to_string(position.received) +
+                     ") should be the batches received in turn ('prefix') and out of turn ('beyond')" +
+                     (position.lanes.empty() ? std::string() : " of every replica in 'lanes'") + ": " +
+                     (overflow ? std::string("more than 2^64") : std::to_string(in_sets)));
   }
   position.generators = generators_from_state(state.at("generators"));
   position.start_generators = generators_from_state(state.at("start_generators"));

@@ -539,4 +539,220 @@ TEST(LoaderResume, AStateIsSmallWhateverTheDatasetsSize) {
   EXPECT_LT(text.size(), 32u * 1024) << text.substr(0, 400);
 }
 
+
+// `state` with the value at `path` replaced: each step a member's name, or an
+// array's index.
+State edited(const State& state, const std::vector<std::string>& path, State value, size_t step = 0) {
+  if (step == path.size()) return value;
+  if (state.is_array()) {
+    const size_t at = std::stoul(path[step]);
+    State out = State::array();
+    for (size_t i = 0; i < state.items().size(); ++i) {
+      out.push_back(i == at ? edited(state.items()[i], path, value, step + 1) : state.items()[i]);
+    }
+    return out;
+  }
+  State out = state;
+  out.set(path[step], edited(state.at(path[step]), path, std::move(value), step + 1));
+  return out;
+}
+
+State one_null() {
+  State out = State::array();
+  out.push_back(State());
+  return out;
+}
+
+std::string last(const Outputs& outputs) { return outputs.empty() ? "(none)" : outputs.back(); }
+
+// What an epoch hands out up to its end, or up to a StateError (as "error: "
+// and its message) from iter() or next().
+template <class L>
+Outputs epoch_or_error(L& loader) {
+  Outputs out;
+  try {
+    auto epoch = loader.iter();
+    while (take_one<L>(epoch, out)) {
+    }
+  } catch (const StateError& error) {
+    out.push_back(std::string("error: ") + error.what());
+  }
+  return out;
+}
+
+// A refused load changes nothing: every field is read and checked before the
+// first is applied (persistent_base_seed was read after the sampler and the
+// generators had been put back).
+TEST(LoaderResume, ARefusedStateLeavesTheLoaderUntouched) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});
+  const LoaderOptions options{.batch_size = 4, .shuffle = true, .seed = 5};
+  Loader saver(dataset, options);
+  for (int e = 0; e < 2; ++e) (void)epoch_or_error(saver);
+  const State bad = edited(saver.state_dict(), {"start", "persistent_base_seed"}, "x");
+
+  Loader fresh(dataset, options);
+  const Outputs want = epoch_or_error(fresh);
+  Loader refused(dataset, options);
+  const std::string message = error_of([&] { refused.load_state_dict(bad); });
+  EXPECT_NE(message.find("persistent_base_seed"), std::string::npos) << message;
+  EXPECT_EQ(epoch_or_error(refused), want) << "the refused state was partly loaded";
+}
+
+// A position past the epoch's end is refused, not resumed as an empty or a
+// short epoch: at load where the state contradicts itself, else once the
+// replay finds the sampler's epoch shorter.
+TEST(LoaderResume, AMapStylePositionPastTheEpochIsRefused) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});  // 8 batches
+  const LoaderOptions options{.batch_size = 4, .shuffle = true, .seed = 5};
+  Loader saver(dataset, options);
+  Outputs whole;
+  {
+    Loader reference(dataset, options);
+    whole = epoch_or_error(reference);
+  }
+  ASSERT_EQ(whole.size(), 8u);
+  auto epoch = saver.iter();
+  (void)epoch.next();
+  (void)epoch.next();
+  const State state = saver.state_dict();
+  ASSERT_EQ(state.at("epoch").at("batches").uint_at("prefix"), 2u);
+
+  const State past =
+      edited(edited(state, {"epoch", "received"}, uint64_t{1000}), {"epoch", "batches", "prefix"}, uint64_t{1000});
+  Loader prefix_past(dataset, options);
+  prefix_past.load_state_dict(past);
+  Outputs got = epoch_or_error(prefix_past);
+  EXPECT_EQ(got.size(), 1u);
+  EXPECT_NE(last(got).find("'batches.prefix' (1000) is past the end of the epoch: its sampler gave 8 batches"),
+            std::string::npos)
+      << last(got);
+
+  // Received out of turn past the end: the epoch's other batches, then the error.
+  State beyond = edited(state, {"epoch", "received"}, uint64_t{3});
+  beyond = edited(beyond, {"epoch", "batches", "beyond"}, State::list({uint64_t{1} << 63}));
+  beyond = edited(beyond, {"epoch", "batches", "beyond_generators"}, one_null());
+  Loader beyond_past(dataset, options);
+  beyond_past.load_state_dict(beyond);
+  got = epoch_or_error(beyond_past);
+  EXPECT_EQ(Outputs(got.begin(), got.begin() + std::min<std::ptrdiff_t>(6, std::ssize(got))),
+            Outputs(whole.begin() + 2, whole.end()));
+  EXPECT_EQ(got.size(), 7u);
+  EXPECT_NE(last(got).find("'batches.beyond' lists batch 9223372036854775808, past the end of the epoch"),
+            std::string::npos)
+      << last(got);
+
+  // 'received' counts the batches in 'prefix' and 'beyond'.
+  Loader miscounted(dataset, options);
+  const std::string message =
+      error_of([&] { miscounted.load_state_dict(edited(state, {"epoch", "received"}, uint64_t{7})); });
+  EXPECT_NE(message.find("'received' (7) should be"), std::string::npos) << message;
+}
+
+TEST(LoaderResume, AnIterablePositionPastItsReplicaIsRefused) {
+  using Streams = DataLoader<DrawingStream>;
+  auto dataset = std::make_shared<DrawingStream>(40, std::set<int64_t>{});  // 10 batches
+  for (const int workers : {0, 2}) {
+    SCOPED_TRACE("num_workers=" + std::to_string(workers));
+    const LoaderOptions options{.batch_size = 4, .num_workers = workers, .seed = 5};
+    Outputs whole;
+    {
+      Streams reference(dataset, options);
+      whole = epoch_or_error(reference);
+    }
+    Streams saver(dataset, options);
+    auto epoch = saver.iter();
+    ASSERT_TRUE(epoch.next());
+    const State state = saver.state_dict();
+    ASSERT_EQ(state.at("epoch").at("lanes").items()[0].uint_at("prefix"), 1u);
+
+    // Lane 0 received 100 batches: its replica has fewer. The other lane's
+    // batches come, then the error (not an empty epoch).
+    State past = edited(state, {"epoch", "received"}, uint64_t{100});
+    past = edited(past, {"epoch", "lanes", "0", "prefix"}, uint64_t{100});
+    Streams prefix_past(dataset, options);
+    prefix_past.load_state_dict(past);
+    Outputs got = epoch_or_error(prefix_past);
+    EXPECT_NE(last(got).find("'lanes[0].prefix' (100) is past the end of that replica's epoch"), std::string::npos)
+        << last(got);
+    if (workers == 2) {
+      const auto odd = [](const std::string& batch) { return std::stoll(batch) % 2 == 1; };  // lane 1's
+      EXPECT_EQ(got.size(), 1u + static_cast<size_t>(std::count_if(whole.begin(), whole.end(), odd)));
+    }
+
+    State beyond = edited(state, {"epoch", "received"}, uint64_t{2});
+    beyond = edited(beyond, {"epoch", "lanes", "0", "beyond"}, State::list({50}));
+    beyond = edited(beyond, {"epoch", "lanes", "0", "beyond_generators"}, one_null());
+    Streams beyond_past(dataset, options);
+    beyond_past.load_state_dict(beyond);
+    got = epoch_or_error(beyond_past);
+    EXPECT_NE(last(got).find("'lanes[0].beyond' lists batch 50, past the end of that replica's epoch"),
+              std::string::npos)
+        << last(got);
+
+    // A replica's end before a batch received from it contradicts the state.
+    Streams ended(dataset, options);
+    std::string message =
+        error_of([&] { ended.load_state_dict(edited(state, {"epoch", "lanes", "0", "end"}, int64_t{0})); });
+    EXPECT_NE(message.find("'lanes[0].end' (0)"), std::string::npos) << message;
+    Streams miscounted(dataset, options);
+    message = error_of([&] { miscounted.load_state_dict(edited(state, {"epoch", "received"}, uint64_t{7})); });
+    EXPECT_NE(message.find("'received' (7) should be"), std::string::npos) << message;
+  }
+}
+
+// prefix x batch_size samples to skip wrapped (2^63 x 4 = 0): the resume
+// handed out the whole epoch again.
+TEST(LoaderResume, AnIterablePrefixWhoseSamplesOverflowIsRefused) {
+  using Streams = DataLoader<DrawingStream>;
+  auto dataset = std::make_shared<DrawingStream>(40, std::set<int64_t>{});
+  const LoaderOptions options{.batch_size = 4, .seed = 5};
+  Streams saver(dataset, options);
+  auto epoch = saver.iter();
+  ASSERT_TRUE(epoch.next());
+  State state = edited(saver.state_dict(), {"epoch", "received"}, uint64_t{1} << 62);
+  state = edited(state, {"epoch", "lanes", "0", "prefix"}, uint64_t{1} << 62);
+  Streams loader(dataset, options);
+  const std::string message = error_of([&] { loader.load_state_dict(state); });
+  EXPECT_NE(message.find("'lanes[0].prefix' (4611686018427387904)"), std::string::npos) << message;
+}
+
+// A generator position is sought by replaying its draws one by one: 2^62 of
+// them never returned.
+TEST(LoaderResume, AGeneratorPositionPastWhatAResumeReplaysIsRefused) {
+  using Streams = DataLoader<DrawingStream>;
+  auto dataset = std::make_shared<DrawingStream>(40, std::set<int64_t>{});
+  const LoaderOptions options{.batch_size = 4, .seed = 5};
+  Streams saver(dataset, options);
+  auto epoch = saver.iter();
+  ASSERT_TRUE(epoch.next());
+  const State state = saver.state_dict();
+  const std::string most = std::to_string(conveyor::detail::kMostReplayedDraws);
+  for (const uint64_t draws : {uint64_t{1} << 62, conveyor::detail::kMostReplayedDraws + 1}) {
+    for (const char* where : {"generators", "start_generators"}) {
+      SCOPED_TRACE(std::string(where) + " draws " + std::to_string(draws));
+      Streams loader(dataset, options);
+      const std::string message =
+          error_of([&] { loader.load_state_dict(edited(state, {"epoch", where, "0", "draws"}, draws)); });
+      EXPECT_NE(message.find("'draws' (" + std::to_string(draws) + ") is more than a resume replays (at most " +
+                             most + ")"),
+                std::string::npos)
+          << message;
+    }
+  }
+
+  // Persistent workers' generators between epochs.
+  Loader persistent(std::make_shared<DrawingDataset>(30, std::set<size_t>{}),
+                    {.batch_size = 4, .num_workers = 2, .persistent_workers = true, .seed = 5,
+                     .scheduling = Scheduling::round_robin});
+  (void)epoch_or_error(persistent);
+  const State between = persistent.state_dict();
+  ASSERT_NE(between.find("workers"), nullptr);
+  Loader other(std::make_shared<DrawingDataset>(30, std::set<size_t>{}),
+               {.batch_size = 4, .num_workers = 2, .persistent_workers = true, .seed = 5,
+                .scheduling = Scheduling::round_robin});
+  const std::string message =
+      error_of([&] { other.load_state_dict(edited(between, {"workers", "1", "draws"}, uint64_t{1} << 62)); });
+  EXPECT_NE(message.find("is more than a resume replays"), std::string::npos) << message;
+}
+
 }  // namespace

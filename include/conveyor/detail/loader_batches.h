@@ -207,21 +207,32 @@ class BatchWork {
   // Passes over `count` batches as the first pass made them: by the
   // iterator's skip() when none of them failed; else batch by batch, each
   // failing where it failed before (what a failed batch consumed is
-  // consumed again).
-  static void pass_over(Replica& replica, uint64_t count, size_t wanted, bool failed) {
-    if (count == 0) return;
+  // consumed again). Returns how many there were: fewer when the replica
+  // ended first (a state not of this epoch; the consumer says so).
+  uint64_t pass_over(Replica& replica, uint64_t count, size_t wanted, bool failed) const {
+    if (count == 0) return 0;
+    const bool drop_last = core_.plan.drop_last;
     if (!failed) {
-      const uint64_t samples = count * wanted;
-      if (replica.iterator->skip(samples) < samples) replica.exhausted = true;
-      return;
+      const uint64_t samples = count * wanted;  // load_state_dict refuses a prefix where this wraps
+      const uint64_t skipped = replica.iterator->skip(samples);
+      if (skipped == samples) return count;
+      replica.exhausted = true;
+      // The last batch may be short: a batch all the same, unless dropped.
+      return skipped / wanted + (!drop_last && skipped % wanted != 0 ? 1 : 0);
     }
-    for (uint64_t b = 0; b < count && !replica.exhausted; ++b) {
+    uint64_t passed = 0;
+    for (; passed < count && !replica.exhausted; ++passed) {
       try {
-        (void)Core::take_samples(*replica.iterator, wanted, replica.exhausted);
+        const std::vector<sample_type> samples = Core::take_samples(*replica.iterator, wanted, replica.exhausted);
+        if (samples.empty() || (drop_last && samples.size() < wanted)) {  // as produce_from_replica ends
+          replica.exhausted = true;
+          break;
+        }
       } catch (...) {
         // It failed here the first time too.
       }
     }
+    return passed;
   }
 
   void produce_from_replica(const BatchJob& job, int worker, const std::exception_ptr& init_failure,
@@ -251,8 +262,7 @@ class BatchWork {
         // generator to where it stood after them.
         const Skip& skip = skips_[static_cast<size_t>(std::max(worker, 0))];
         stage = "iterate";
-        pass_over(replica, skip.received.prefix, wanted_samples(), skip.failed);
-        replica.next_ordinal = skip.received.prefix;
+        replica.next_ordinal = pass_over(replica, skip.received.prefix, wanted_samples(), skip.failed);
         seek.apply();
       }
       const size_t wanted = wanted_samples();
@@ -260,7 +270,7 @@ class BatchWork {
       const Skip& skip = skips_[static_cast<size_t>(std::max(worker, 0))];
       while (!replica.exhausted && skip.received.contains(replica.next_ordinal)) {
         stage = "iterate";
-        pass_over(replica, 1, wanted, true);
+        if (pass_over(replica, 1, wanted, true) == 0) break;
         const OptionalPosition* after = skip.received.generator_after(replica.next_ordinal);
         if (after && *after && seek.generator) seek.generator->seek(**after);
         ++replica.next_ordinal;
@@ -778,6 +788,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     next_batch_ = 0;
     sampler_done_ = false;
     sampler_error_ = nullptr;
+    replay_error_ = nullptr;
     sampler_errors_received_ = {};
     if (resume_) sampler_errors_received_.assign(resume_->position.sampler_errors_at.begin(),
                                                  resume_->position.sampler_errors_at.end());
@@ -817,19 +828,57 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   void replay_received_prefix() {
     const uint64_t prefix = resume_->position.batches.prefix;
     while (next_batch_ < prefix) {
+      bool drawn = false;
       try {
-        if (!sampler_->advance(indices_)) {
-          sampler_done_ = true;
-          return;
-        }
+        drawn = sampler_->advance(indices_);
       } catch (...) {
         if (pass_over_received_sampler_error()) continue;
         sampler_error_ = std::current_exception();
         return;
       }
+      if (!drawn) {
+        // From iter(), which fails: the loader keeps the state to resume,
+        // as after any iter() that fails.
+        sampler_done_ = true;
+        std::rethrow_exception(past_the_sampler());
+      }
       ++next_batch_;  // one at a time: a sampler that throws leaves the count drawn before it
     }
     lanes_->seek_generator();
+  }
+  // A resumed pass whose sampler ended at next_batch_: a batch received
+  // past that end is not of this epoch (the pass would end silently short).
+  // The error, or null.
+  std::exception_ptr past_the_sampler() const {
+    const ReceivedSet& received = resume_->position.batches;
+    const std::string gave = ", past the end of the epoch: its sampler gave " + std::to_string(next_batch_) + " batches";
+    if (next_batch_ < received.prefix) {
+      return std::make_exception_ptr(StateError("load_state_dict: 'batches.prefix' (" +
+                                                std::to_string(received.prefix) + ") is" + gave.substr(1)));
+    }
+    if (!received.beyond.empty() && received.beyond.back() >= next_batch_) {
+      return std::make_exception_ptr(StateError("load_state_dict: 'batches.beyond' lists batch " +
+                                                std::to_string(received.beyond.back()) + gave));
+    }
+    return nullptr;
+  }
+  // Iterable, a resumed pass: replica `lane` ended after `made` batches; a
+  // batch received from it at or past that is not of this epoch. The error,
+  // or null.
+  std::exception_ptr past_the_replica(size_t lane, uint64_t made) const {
+    if (lane >= resume_->position.lanes.size()) return nullptr;  // a state between epochs
+    const ReceivedSet& received = resume_->position.lanes[lane];
+    const std::string key = "load_state_dict: 'lanes[" + std::to_string(lane) + "].";
+    const std::string it_made = ", past the end of that replica's epoch: it made " + std::to_string(made) + " batches";
+    if (received.prefix > made) {
+      return std::make_exception_ptr(
+          StateError(key + "prefix' (" + std::to_string(received.prefix) + ") is" + it_made.substr(1)));
+    }
+    if (!received.beyond.empty() && received.beyond.back() >= made) {
+      return std::make_exception_ptr(
+          StateError(key + "beyond' lists batch " + std::to_string(received.beyond.back()) + it_made));
+    }
+    return nullptr;
   }
   // A sampler error of a resumed pass that its consumer had received: the
   // sampler is asked again, as the consumer's next request did then.
@@ -903,6 +952,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
       progress_->note_sampler_error(next_batch_);
       std::rethrow_exception(std::exchange(sampler_error_, nullptr));
     }
+    // Last, with every batch made handed out: a consumer (to_device's
+    // stage) has received each of them before this error.
+    if (replay_error_) std::rethrow_exception(std::exchange(replay_error_, nullptr));
     return true;
   }
 
@@ -932,6 +984,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
         active_[worker] = false;
         --active_count_;
       }
+      if (resume_ && !output && !replay_error_) replay_error_ = past_the_replica(worker, result.ordinal);
     }
     if (lanes_->runs_ahead()) fill();  // keep the workers busy while the consumer uses this batch
     if (!result.error && !result.batch) return false;
@@ -955,6 +1008,7 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
         try {
           if (!sampler_->next_into(indices_)) {
             sampler_done_ = true;
+            if (resume_) replay_error_ = past_the_sampler();
             return;
           }
         } catch (...) {
@@ -991,6 +1045,9 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
   BatchIndices indices_;  // the sampler's scratch, reused for every batch
   bool sampler_done_ = false;
   std::exception_ptr sampler_error_;  // thrown by the sampler, not yet by next()
+  // A resumed pass: its state's position is past the end of the epoch (past
+  // the sampler's, or a replica's); thrown by next() at the end.
+  std::exception_ptr replay_error_;
   std::deque<uint64_t> sampler_errors_received_;  // a resumed pass: where its consumer got sampler errors, ahead
   uint64_t id_ = 0;
   uint64_t submitted_ = 0;

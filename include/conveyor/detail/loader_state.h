@@ -184,7 +184,18 @@ struct LoaderResume {
 State position_to_state(const EpochPosition& position);
 EpochPosition epoch_position_from_state(const State& state);
 
+// The most draws a generator position in a state may count: a resume seeks
+// there by replaying them (MT19937's discard(), about 5 ns a draw on a busy
+// CI core: some 90 s at most), and a larger count (2^62 in a damaged state)
+// never returned. A position counts one pass's draws (each pass rebases it),
+// so only a worker, or the consumer's thread under round_robin, that draws
+// more than this in one epoch (16 billion 32-bit draws: a million samples of
+// 16,000 each) saves a state that load_state_dict refuses. A jump-ahead seek
+// (polynomial arithmetic on MT19937's state) would lift the bound.
+inline constexpr uint64_t kMostReplayedDraws = uint64_t{1} << 34;
+
 // A generator position as a State ({"seed", "draws"[, "origin"]}), and back.
+// Throws StateError for a position past kMostReplayedDraws.
 State generator_to_state(const GeneratorPosition& position);
 GeneratorPosition generator_from_state(const State& state);
 

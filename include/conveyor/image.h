@@ -64,7 +64,8 @@ struct ImageInfo {
 // GiB of RGB) and raises DecompressionBombError above twice that,
 // 178,956,970, so conveyor decodes what Pillow opens and refuses what it
 // refuses. Decoding at the limit costs 512 MiB of RGB output (and as much
-// again of scratch memory for colour conversion).
+// again of scratch memory for colour conversion, a third more for a CMYK or
+// YCCK JPEG).
 inline constexpr uint64_t kDefaultMaxImagePixels = 178'956'970;
 void set_max_image_pixels(uint64_t pixels) noexcept;
 uint64_t max_image_pixels() noexcept;

@@ -124,12 +124,14 @@ unsigned muldiv255(unsigned a, unsigned b) {
 
 // Interleaved CMYK as libjpeg returns it for Adobe (Photoshop) files, whose
 // samples are stored inverted -> interleaved RGB. PIL's formula, so a CMYK
-// JPEG decodes to what Image.open(...).convert("RGB") gives.
-void inverted_cmyk_to_rgb(const uint8_t* cmyk, size_t pixels, uint8_t* rgb) {
+// JPEG decodes to what Image.open(...).convert("RGB") gives. In place: the
+// RGB of pixel i lands on bytes 3i..3i+2, none of them after a byte of pixel
+// i still unread (4i+c for c > the channel written), nor on a later pixel.
+void inverted_cmyk_to_rgb_in_place(uint8_t* pixels_cmyk, size_t pixels) {
   for (size_t i = 0; i < pixels; ++i) {
-    const unsigned black = cmyk[4 * i + 3];
-    for (int c = 0; c < 3; ++c) {
-      rgb[3 * i + c] = static_cast<uint8_t>(black - muldiv255(255u - cmyk[4 * i + c], black));
+    const unsigned black = pixels_cmyk[4 * i + 3];
+    for (size_t c = 0; c < 3; ++c) {
+      pixels_cmyk[3 * i + c] = static_cast<uint8_t>(black - muldiv255(255u - pixels_cmyk[4 * i + c], black));
     }
   }
 }
@@ -353,10 +355,11 @@ class JpegDecoder {
     const bool cmyk = colorspace_ == TJCS_CMYK || colorspace_ == TJCS_YCCK;
     if (cmyk) {
       // libjpeg cannot convert CMYK to RGB or grey itself.
-      std::unique_ptr<uint8_t[]> cmyk_pixels = scratch(4 * pixels);
-      decompress(cmyk_pixels.get(), TJPF_CMYK);
-      std::unique_ptr<uint8_t[]> rgb = scratch(3 * pixels);
-      inverted_cmyk_to_rgb(cmyk_pixels.get(), pixels, rgb.get());
+      // One scratch buffer, converted in place: 4 bytes a pixel beside the
+      // output, not 7.
+      std::unique_ptr<uint8_t[]> rgb = scratch(4 * pixels);
+      decompress(rgb.get(), TJPF_CMYK);
+      inverted_cmyk_to_rgb_in_place(rgb.get(), pixels);
       if (out_channels == 1) {
         rgb_to_grey(rgb.get(), 3, pixels, out.data());
       } else {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <sys/resource.h>
+#include <turbojpeg.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -1163,6 +1164,64 @@ TEST(ImageBombs, OutOfMemoryIsADataErrorNamingTheImage) {
                   },
                   {"huge.png: out of memory decoding the image"}),
               ::testing::ExitedWithCode(0), "");
+}
+
+// A CMYK JPEG (TurboJPEG writes YCCK) of `width` x `height` in one flat
+// colour.
+std::vector<uint8_t> flat_cmyk_jpeg(int width, int height) {
+  std::vector<uint8_t> cmyk(4 * static_cast<size_t>(width) * static_cast<size_t>(height));
+  for (size_t i = 0; i < cmyk.size(); i += 4) {
+    cmyk[i] = 30, cmyk[i + 1] = 90, cmyk[i + 2] = 150, cmyk[i + 3] = 210;
+  }
+  tjhandle encoder = tjInitCompress();
+  unsigned char* jpeg = nullptr;
+  unsigned long size = 0;
+  const int rc = tjCompress2(encoder, cmyk.data(), width, 0, height, TJPF_CMYK, &jpeg, &size,
+                             TJSAMP_444, 90, 0);
+  EXPECT_EQ(rc, 0) << tjGetErrorStr2(encoder);
+  std::vector<uint8_t> bytes(jpeg, jpeg + size);
+  tjFree(jpeg);
+  tjDestroy(encoder);
+  return bytes;
+}
+
+// A CMYK JPEG decodes through one scratch buffer of 4 bytes a pixel beside
+// its output: the child may grow its address space by that and 16 MiB more.
+// Before, it also allocated 3 bytes a pixel of RGB (64 + 48 MiB here).
+TEST(ImageBombs, CmykJpegDecodesInFourBytesAPixelOfScratch) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer ends the process on a failed allocation instead of "
+                  "throwing std::bad_alloc";
+#endif
+  constexpr int kSide = 4096;
+  constexpr uint64_t kPixels = uint64_t{kSide} * kSide;
+  EXPECT_EXIT(
+      {
+        const std::vector<uint8_t> jpeg = flat_cmyk_jpeg(kSide, kSide);
+        std::vector<uint8_t> out(3 * kPixels);
+        rlimit limit{};
+        getrlimit(RLIMIT_AS, &limit);
+        limit.rlim_cur = std::min<uint64_t>(conveyor::testing::address_space_bytes() + 4 * kPixels +
+                                                (uint64_t{16} << 20),
+                                            limit.rlim_max);
+        if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(3);
+        try {
+          const ImageInfo info = decode_image_into(jpeg, out, "cmyk.jpg");
+          if (info.channels != 3) std::_Exit(4);
+          // PIL's inverted CMYK: 210 - (255 - c) * 210 / 255 for c = 30, 90,
+          // 150 is 25, 74, 124; YCCK's round trip may move a sample by one.
+          const auto near = [](int got, int want) { return std::abs(got - want) <= 2; };
+          if (!near(out.front(), 25) || !near(out[kPixels], 74) || !near(out.back(), 124)) {
+            std::fprintf(stderr, "pixels %d %d %d\n", out.front(), out[kPixels], out.back());
+            std::_Exit(5);
+          }
+        } catch (const std::exception& error) {
+          std::fprintf(stderr, "%s\n", error.what());
+          std::_Exit(1);
+        }
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 // zlib's compress() of `bytes`, as zTXt and iTXt store text.

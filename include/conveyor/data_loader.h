@@ -101,6 +101,9 @@ class DataLoader {
         note_yielded();
       } else {
         progress_->commit_end();
+        // The epoch's time is up to its end, not up to when metrics are
+        // read (after validation, say): the first end fixes it.
+        if (wall_ns_at_end_ < 0) wall_ns_at_end_ = detail::nanoseconds_since(started_);
       }
       return batch;
     }
@@ -111,7 +114,8 @@ class DataLoader {
       source_->add_metrics(metrics);
       metrics.batches = yielded_;
       metrics.wait_seconds = static_cast<double>(wait_ns_) * 1e-9;
-      metrics.wall_seconds = static_cast<double>(detail::nanoseconds_since(started_)) * 1e-9;
+      const int64_t wall_ns = wall_ns_at_end_ >= 0 ? wall_ns_at_end_ : detail::nanoseconds_since(started_);
+      metrics.wall_seconds = static_cast<double>(wall_ns) * 1e-9;
       return metrics;
     }
 
@@ -137,6 +141,7 @@ class DataLoader {
         source_ = std::move(other.source_);
         transfer_ = std::exchange(other.transfer_, nullptr);
         started_ = other.started_;
+        wall_ns_at_end_ = other.wall_ns_at_end_;
         wait_ns_ = other.wait_ns_;
         yielded_ = other.yielded_;
       }
@@ -216,6 +221,7 @@ class DataLoader {
     std::unique_ptr<detail::LoaderNode<batch_type>> source_;  // the graph's last node
     detail::TransferStage<batch_type>* transfer_ = nullptr;    // within source_, if any
     std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+    int64_t wall_ns_at_end_ = -1;  // from started_ to the first end next() saw; -1 before
     int64_t wait_ns_ = 0;
     size_t yielded_ = 0;
   };

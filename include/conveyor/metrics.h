@@ -14,7 +14,7 @@ struct LoaderMetrics {
   double collate_seconds = 0;    // in the collate function, summed over workers
   double transfer_seconds = 0;   // queueing device copies, on the consumer's thread
   double wait_seconds = 0;       // the consumer blocked in next()
-  double wall_seconds = 0;       // since the epoch started
+  double wall_seconds = 0;       // from the epoch's start to its end (to now, while it runs)
   double mean_in_flight = 0;     // batches in the window when the consumer asked
   size_t window = 0;             // prefetch_factor x num_workers (0 without workers)
 

@@ -44,15 +44,22 @@ uint64_t item_seed(const PassContext& pass, uint64_t node_id, uint64_t position,
 std::string metrics_table(const std::vector<NodeMetrics>& nodes) {
   size_t name_width = 4;
   for (const NodeMetrics& node : nodes) name_width = std::max(name_width, node.name.size());
-  const int width = static_cast<int>(name_width);
+  // The name column is appended, not formatted: a name of any length keeps
+  // its row whole. The numbers fit the fixed buffer.
   std::string table;
-  char line[512];
+  const auto name_column = [&](const std::string& name) {
+    table += name;
+    table.append(name_width - name.size(), ' ');
+  };
+  char line[256];
   // Waits: for upstream's items, and for downstream to ask (see NodeMetrics).
-  std::snprintf(line, sizeof line, "%-*s %12s %12s %9s %10s %11s %11s %7s %9s\n", width, "node", "items in",
-                "items out", "skipped", "busy s", "up wait s", "down wait s", "window", "in flight");
+  name_column("node");
+  std::snprintf(line, sizeof line, " %12s %12s %9s %10s %11s %11s %7s %9s\n", "items in", "items out", "skipped",
+                "busy s", "up wait s", "down wait s", "window", "in flight");
   table += line;
   for (const NodeMetrics& node : nodes) {
-    std::snprintf(line, sizeof line, "%-*s %12llu %12llu %9llu %10.3f %11.3f %11.3f", width, node.name.c_str(),
+    name_column(node.name);
+    std::snprintf(line, sizeof line, " %12llu %12llu %9llu %10.3f %11.3f %11.3f",
                   static_cast<unsigned long long>(node.items_in), static_cast<unsigned long long>(node.items_out),
                   static_cast<unsigned long long>(node.skipped), node.busy_seconds, node.upstream_wait_seconds,
                   node.downstream_wait_seconds);

@@ -548,4 +548,30 @@ TEST(Metrics, AnEpochAccountsForItsBatchesStagesAndWaits) {
   }
 }
 
+// An epoch's wall time ends at its end: metrics read after validation, or
+// kept by the loader when the epoch goes, describe the epoch alone.
+TEST(Metrics, AnEpochsWallTimeStopsAtItsEnd) {
+  struct Numbers final : conveyor::Dataset<int64_t> {
+    size_t size() const override { return 40; }
+    int64_t get(size_t i) override { return static_cast<int64_t>(i); }
+  } dataset;
+  for (int workers : {0, 2}) {
+    conveyor::DataLoader loader(dataset, {.batch_size = 8, .num_workers = workers});
+    double at_end = 0;
+    {
+      auto epoch = loader.iter();
+      while (epoch.next()) {
+      }
+      at_end = epoch.metrics().wall_seconds;
+      ASSERT_GT(at_end, 0);
+      conveyor::testing::spin_delay(30'000'000);  // 30 ms of "validation"
+      EXPECT_EQ(epoch.metrics().wall_seconds, at_end);
+      EXPECT_FALSE(epoch.next().has_value());  // asking again moves nothing
+      EXPECT_EQ(epoch.metrics().wall_seconds, at_end);
+    }
+    ASSERT_TRUE(loader.last_metrics().has_value());
+    EXPECT_EQ(loader.last_metrics()->wall_seconds, at_end);
+  }
+}
+
 }  // namespace

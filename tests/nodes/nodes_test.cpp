@@ -16,6 +16,7 @@
 #include <set>
 #include <span>
 #include <stdexcept>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -1216,6 +1217,30 @@ TEST(Metrics, EveryNodeCountsItsItemsInAndOutSourcesFirst) {
   EXPECT_NE(table.find("items in"), std::string::npos) << table;
   EXPECT_NE(table.find("batch(10)"), std::string::npos) << table;
   EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 5) << table;
+}
+
+// A long name (a map of a long lambda's type, say) widens its column; no row
+// is cut, and every row's columns line up after it.
+TEST(Metrics, TheTableKeepsEveryRowWholeForALongName) {
+  conveyor::NodeMetrics long_named;
+  long_named.name = std::string(600, 'x');
+  long_named.items_in = 7;
+  long_named.items_out = 6;
+  long_named.window = 3;
+  conveyor::NodeMetrics short_named;
+  short_named.name = "batch(10)";
+  short_named.items_in = 12345;
+  const std::string table = conveyor::metrics_table({long_named, short_named});
+  std::vector<std::string> rows;
+  std::istringstream lines(table);
+  for (std::string row; std::getline(lines, row);) rows.push_back(row);
+  ASSERT_EQ(rows.size(), 3u) << table;
+  EXPECT_EQ(rows[0].find("items in"), 600u + 1 + 12 - std::string("items in").size()) << rows[0];
+  EXPECT_EQ(rows[1].substr(0, 600), long_named.name);
+  EXPECT_EQ(rows[1].substr(600, 26), "            7            6") << rows[1];
+  EXPECT_NE(rows[1].find("       3"), std::string::npos) << rows[1];
+  EXPECT_EQ(rows[2].substr(0, 9), "batch(10)");
+  EXPECT_EQ(rows[2].substr(600, 13), "        12345") << rows[2];
 }
 
 // A combining node counts as in every item it takes from its sources,

@@ -28,7 +28,7 @@ namespace conveyor {
 struct ShardSample {
   std::string key;    // "000123"
   std::string shard;  // the shard's path
-  SampleFields fields;  // extension -> bytes ("jpg", "cls"), in name order
+  SampleFields fields;  // extension, in lower case -> bytes ("jpg", "cls"), in name order
 };
 
 // TarShardOptions::max_sample_bytes's default: 1 GiB, far above any image,
@@ -57,6 +57,7 @@ struct TarShardOptions {
   int64_t num_replicas = 1;
   int64_t rank = 0;
   // Every sample must have these fields; a sample missing one is an error.
+  // In lower case, as fields are read (ValueError otherwise).
   std::vector<std::string> required_fields;
   // raise: a malformed shard or sample throws DataError naming the shard,
   // the member and the sample. skip: it is dropped and counted in skipped()

@@ -117,6 +117,7 @@ TarShardDataset::TarShardDataset(TarShardOptions options) : options_(std::move(o
                      ", rank should be in the interval [0, " +
                      std::to_string(options_.num_replicas - 1) + "]");
   }
+  nodes::group_by_key({.required_fields = options_.required_fields});  // checks them now, not at the first pass
 }
 
 std::unique_ptr<SampleIterator<ShardSample>> TarShardDataset::iter(const WorkerInfo* worker) {

@@ -1834,6 +1834,38 @@ std::vector<uint8_t> shard_of_bad_samples() {
 // group_by_key refuses the same samples, with the same errors, straight
 // after untar (sizes checked from the headers) as behind another node (sizes
 // checked once read), and as read_shard() and TarShardDataset do.
+// WebDataset's group_by_keys(lcase=True): "0.JPG" is field "jpg", so such
+// a sample meets required_fields {"jpg"}; "0.jpg" beside "0.JPG" is one
+// field twice. A required field in upper case could never be met: refused.
+TEST(TarNodes, GroupByKeyReadsFieldNamesInLowerCase) {
+  const std::vector<uint8_t> tar = UstarBuilder()
+                                       .file("0000.JPG", "image")
+                                       .file("0000.Cls", "3")
+                                       .file("0001.seg.PNG", "mask")
+                                       .file("0002.jpg", "a")
+                                       .file("0002.JPG", "b")  // sample 2: jpg twice
+                                       .bytes();
+  uint64_t skipped = 0;
+  const std::vector<ShardSample> kept = conveyor::read_shard(tar, "case.tar", {}, OnError::skip, &skipped);
+  ASSERT_EQ(keys(kept), (std::vector<std::string>{"0000", "0001"}));
+  EXPECT_EQ(skipped, 1u);
+  EXPECT_EQ(kept[0].fields.at("jpg"), text("image"));
+  EXPECT_EQ(kept[0].fields.at("cls"), text("3"));
+  EXPECT_EQ(kept[1].fields.at("seg.png"), text("mask"));
+  EXPECT_EQ(keys(conveyor::read_shard(tar, "case.tar", {"jpg"}, OnError::skip)),
+            (std::vector<std::string>{"0000"}));
+  try {
+    nodes::group_by_key({.required_fields = {"cls", "JPG"}});
+    FAIL() << "an upper-case required field was accepted";
+  } catch (const conveyor::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("required field 'JPG'"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("require 'jpg'"), std::string::npos) << error.what();
+  }
+  TarShardOptions options = options_for({"unused.tar"});
+  options.required_fields = {"Cls"};
+  EXPECT_THROW(TarShardDataset{options}, conveyor::ValueError);
+}
+
 TEST(TarNodes, GroupByKeyChecksSamplesTheSameWhereverItStands) {
   TempDir dir;
   const std::string path = dir.file("bad.tar");

@@ -19,7 +19,9 @@
 //                                          member in memory at a time
 //   group_by_key({.required_fields})       consecutive members of one key (the
 //                                          name up to its first '.' after the
-//                                          last '/') -> ShardSample, checked
+//                                          last '/') -> ShardSample, checked;
+//                                          fields in lower case ("0.JPG" is
+//                                          "jpg"), as WebDataset reads them
 //   decode_image(channels)                 encoded bytes -> Array<uint8_t> [C, H, W]
 //
 // Malformed input is a DataError naming the file and member, raised at the
@@ -108,7 +110,8 @@ struct UntarAdaptor {
 UntarAdaptor untar(UntarOptions options = {});
 
 struct GroupByKeyOptions {
-  // Every sample must have these fields; a sample missing one is bad.
+  // Every sample must have these fields; a sample missing one is bad. In
+  // lower case, as fields are read (ValueError otherwise).
   std::vector<std::string> required_fields = {};  // "= {}": designated initializers may leave it out
   // The most bytes one sample's members may hold together (0: no limit).
   // Straight after untar a member that would take its sample over it is

@@ -32,6 +32,8 @@ MemberName split_member_name(std::string_view name) {
 
 namespace {
 
+char ascii_lower(char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; }
+
 // The sample being assembled. (At namespace scope: clang cannot use a nested
 // class's default member initializers inside its enclosing class, so
 // std::optional<OpenSample>::emplace() would not compile there.)
@@ -232,11 +234,16 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
       reject("member name has no 'key.field' form (key '" + std::string(name.key) + "')", member.name, name.key,
              index);
     }
+    // Field names in lower case, as WebDataset's group_by_keys(lcase=True)
+    // reads "0.JPG" as field "jpg". Into a kept string: no allocation once
+    // warm.
+    field_name_.assign(name.field);
+    for (char& c : field_name_) c = ascii_lower(c);
     // One lookup: a refused sample is dropped whole, the new field with it.
-    const auto [field, added] = open_->sample.fields.try_emplace(name.field);
+    const auto [field, added] = open_->sample.fields.try_emplace(field_name_);
     if (!added) {
-      reject("field '" + std::string(name.field) + "' appears twice in sample '" + std::string(name.key) + "'",
-             member.name, name.key, index);
+      reject("field '" + field_name_ + "' appears twice in sample '" + std::string(name.key) + "'", member.name,
+             name.key, index);
     }
     // Checked here too when untar is not straight upstream (no gate).
     if (member.bytes.size() > limit() - std::min(limit(), open_->bytes)) {
@@ -351,6 +358,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
   std::optional<Rejected> rejected_;  // a bad sample, whose other members are dropped
   std::vector<std::string> keys_refused_ahead_;  // by admit(), in the archive before start_archive() reached it
   std::optional<OpenSample> open_;
+  std::string field_name_;  // the member's field, in lower case
   std::optional<TarMember> pending_;
   std::exception_ptr error_;  // thrown at the next call, after the sample before it
 };
@@ -358,6 +366,16 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
 }  // namespace
 
 std::function<Pipeline<ShardSample>(Pipeline<TarMember>&&)> group_by_key(GroupByKeyOptions options) {
+  // Fields are read in lower case: a required "JPG" could never be met.
+  for (const std::string& field : options.required_fields) {
+    std::string lower = field;
+    for (char& c : lower) c = ascii_lower(c);
+    if (lower != field) {
+      throw ValueError("group_by_key: required field '" + field +
+                       "' has upper-case letters, but field names are read in lower case (as WebDataset "
+                       "reads them): require '" + lower + "'");
+    }
+  }
   return [options](Pipeline<TarMember>&& upstream) {
     return Pipeline<ShardSample>(std::make_unique<GroupByKey>(std::move(upstream).release(), options));
   };

@@ -145,6 +145,31 @@ TEST(ToDevice, CollateBehindAPrefetchStillWritesIntoThePool) {
   EXPECT_EQ(batches, 10);
 }
 
+// Metrics are read for the current pass while a prefetch drives to_device
+// on its own thread: every figure read there is one that thread may write
+// at the same moment (a data race ThreadSanitizer reports, before the copy
+// time was an atomic).
+TEST(ToDevice, ItsMetricsAreReadWhileAPrefetchRunsIt) {
+  auto device = test_device();
+  auto pipeline = nodes::from_range(0, kBatch * kBatches) | nodes::batch(kBatch) | nodes::collate() |
+                  nodes::pin_memory(device) | nodes::to_device(device, 2) | nodes::prefetch(3);
+  pipeline.timed(true);
+  int64_t batches = 0;
+  double busy = 0;
+  for (auto& item : pipeline.pass()) {
+    expect_copied(item);
+    for (const conveyor::NodeMetrics& node : pipeline.metrics()) {
+      if (node.name.starts_with("to_device")) {
+        EXPECT_GE(node.busy_seconds, busy) << "the copy time only grows within a pass";
+        busy = node.busy_seconds;
+      }
+    }
+    ++batches;
+  }
+  EXPECT_EQ(batches, kBatches);
+  EXPECT_GT(busy, 0);
+}
+
 TEST(ToDevice, MemoryFromOutsideThePoolGoesThroughScratchBuffersFreedWithTheItem) {
   auto device = test_device();
   {

@@ -15,6 +15,7 @@
 // their copy's event (see buffer_pool.h), scratch device buffers likewise.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <deque>
@@ -53,7 +54,7 @@ class TransferStage final : public LoaderNode<Batch> {
     inner_done_ = false;
     pulled_ = 0;
     handed_out_ = 0;
-    transfer_ns_ = 0;
+    transfer_ns_.store(0, std::memory_order_relaxed);  // no pass runs: no other thread reads
     inner_->reset(pass, walk);
     id_ = walk.next_id++;
   }
@@ -98,7 +99,7 @@ class TransferStage final : public LoaderNode<Batch> {
 
   void add_metrics(LoaderMetrics& metrics) const override {
     inner_->add_metrics(metrics);
-    metrics.transfer_seconds += static_cast<double>(transfer_ns_) * 1e-9;
+    metrics.transfer_seconds += static_cast<double>(transfer_ns_.load(std::memory_order_relaxed)) * 1e-9;
   }
   // Time queueing copies (on the consumer's thread) counts as busy; the
   // window is the batches copying ahead plus the one handed out.
@@ -107,7 +108,7 @@ class TransferStage final : public LoaderNode<Batch> {
     NodeMetrics mine{name(), id_};
     mine.items_in = pulled_;
     mine.items_out = handed_out_;
-    mine.busy_seconds = static_cast<double>(transfer_ns_) * 1e-9;
+    mine.busy_seconds = static_cast<double>(transfer_ns_.load(std::memory_order_relaxed)) * 1e-9;
     mine.window = depth_ + 1;
     out.push_back(std::move(mine));
   }
@@ -170,7 +171,10 @@ class TransferStage final : public LoaderNode<Batch> {
     const auto start = std::chrono::steady_clock::now();
     try {
       queue_copies(entry);
-      transfer_ns_ += nanoseconds_since(start);
+      // Relaxed: a figure for metrics, paired with no other access; this
+      // thread is its only writer.
+      transfer_ns_.store(transfer_ns_.load(std::memory_order_relaxed) + nanoseconds_since(start),
+                         std::memory_order_relaxed);
     } catch (...) {
       try {
         throw_worker_error(std::current_exception(), FailureContext{-1, index, {}, "transfer"});
@@ -252,7 +256,9 @@ class TransferStage final : public LoaderNode<Batch> {
   bool inner_done_ = false;
   uint64_t pulled_ = 0;      // from the stage before, errors included
   uint64_t handed_out_ = 0;  // by next(), errors included
-  int64_t transfer_ns_ = 0;
+  // Read by metrics while a prefetch downstream may run this stage on its
+  // thread (see add_metrics): atomic, relaxed, a figure ordering nothing.
+  std::atomic<int64_t> transfer_ns_{0};
   std::deque<Entry> pending_;  // copies queued, not handed out yet
   DeviceBatch current_;
   std::vector<std::shared_ptr<Scratch>> current_scratch_;

@@ -39,6 +39,13 @@ bool retryable(CURLcode code) noexcept {
   }
 }
 
+bool garbled_on_reuse(CURL* easy, CURLcode code) noexcept {
+  if (code != CURLE_UNSUPPORTED_PROTOCOL && code != CURLE_WEIRD_SERVER_REPLY) return false;
+  long status = 0, connects = 0;  // status 0: no status line (a refused redirect has its 3xx)
+  return curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status) == CURLE_OK && status == 0 &&
+         curl_easy_getinfo(easy, CURLINFO_NUM_CONNECTS, &connects) == CURLE_OK && connects == 0;
+}
+
 std::chrono::milliseconds backoff(const nodes::HttpOptions& options, int retry) noexcept {
   // Doubled in integers (no pow), saturating.
   std::chrono::milliseconds wait = options.backoff;

@@ -21,6 +21,12 @@ void init_curl();
 // Transient failures: the next attempt may well succeed.
 bool retryable(CURLcode code) noexcept;
 
+// A transfer that found no HTTP where its response should begin (no status
+// line: "Received HTTP/0.9", a weird reply) on a connection kept from an
+// earlier one: most likely bytes that response sent past its length, worth
+// one more attempt on a new connection (CURLOPT_FRESH_CONNECT).
+bool garbled_on_reuse(CURL* easy, CURLcode code) noexcept;
+
 // Before retry k (k = 1, 2, ...): min(backoff x 2^(k-1), max_backoff).
 std::chrono::milliseconds backoff(const nodes::HttpOptions& options, int retry) noexcept;
 

@@ -58,6 +58,10 @@ struct Transfer {
   std::string content_range;
   bool range_answered = false;
   int attempts = 0;
+  // Garbage for a status line on a kept connection is tried again once on a
+  // new one (finish()).
+  bool fresh_connect = false;
+  bool retried_fresh = false;
   SteadyClock::time_point retry_at;
   std::vector<uint8_t> body;
   uint64_t max_bytes = 0;
@@ -303,6 +307,7 @@ class HttpGet final : public Stage<Input, HttpObject> {
     transfer.offset = request.offset;
     transfer.length = request.length;
     transfer.attempts = 0;
+    transfer.fresh_connect = transfer.retried_fresh = false;
     transfer.error = nullptr;
     transfer.own_error = true;
     try {
@@ -366,6 +371,11 @@ class HttpGet final : public Stage<Input, HttpObject> {
     transfer.range_answered = false;
     transfer.error_text[0] = '\0';
     ++transfer.attempts;
+    // Set or cleared per attempt: the slot's handle serves every item after.
+    if (curl_easy_setopt(transfer.easy, CURLOPT_FRESH_CONNECT, std::exchange(transfer.fresh_connect, false) ? 1L : 0L) !=
+        CURLE_OK) {
+      throw DataError("http_get: libcurl refused an option (out of memory?)", transfer.url);
+    }
     const CURLMcode code = curl_multi_add_handle(multi(), transfer.easy);
     if (code != CURLM_OK) {
       throw DataError(std::string("http_get: curl_multi_add_handle: ") + curl_multi_strerror(code), transfer.url);
@@ -439,6 +449,17 @@ class HttpGet final : public Stage<Input, HttpObject> {
   void finish(Transfer& transfer, CURLcode result) {
     long status = 0;
     curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
+    if (!transfer.retried_fresh && io::detail::garbled_on_reuse(transfer.easy, result)) {
+      // Most likely the bytes an earlier response sent past its length, not
+      // this response: once, at once, on a new connection, uncounted.
+      transfer.retried_fresh = transfer.fresh_connect = true;
+      --transfer.attempts;
+      transfer.body = {};
+      transfer.state = Transfer::State::waiting;
+      transfer.retry_at = SteadyClock::now();
+      ++waiting_;
+      return;
+    }
     std::string why;
     bool retry = false;
     const bool whole = result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.enough && !transfer.too_big);

@@ -15,7 +15,14 @@
 // received. `retries` counts consecutive attempts without a new byte, so a
 // long shard survives any number of separate interruptions. A final failure
 // is a DataError naming the URL, and every later read() throws it again.
+//
+// A resume must read the same object: it carries If-Range with the first
+// response's strong ETag (else its Last-Modified), and a response whose
+// ETag, Last-Modified or length (Content-Range's total) differs is a
+// DataError, never spliced onto the bytes already read. A 206 that stops
+// short of the object's end is followed by a range for the rest.
 #include <curl/curl.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <chrono>
@@ -26,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -53,7 +61,21 @@ struct Connection {
   CURLM* multi = nullptr;
   CURL* easy = nullptr;
   std::vector<uint8_t> buffer;
+  // The HTTP/1 connection the last stream left open (none: unknown, HTTP/2,
+  // or closed), checked before it is reused (ConnectionPool::take).
+  curl_socket_t kept_socket = CURL_SOCKET_BAD;
 };
+
+// An idle HTTP/1 connection has nothing to say: a byte waiting on it (sent
+// past a Content-Length by a server that miscounted) would be read as the
+// start of the next response, under the next stream's URL ("Received
+// HTTP/0.9"), or taken for it; EOF or a reset means it is gone. libcurl 7.x
+// reuses it regardless (8.x refuses a connection with input pending too).
+bool quiet(const Connection& connection) noexcept {
+  if (connection.kept_socket == CURL_SOCKET_BAD) return true;
+  pollfd socket{connection.kept_socket, POLLIN, 0};
+  return ::poll(&socket, 1, 0) == 0;
+}
 
 // The pairs an opener's streams share, taken and given back under a mutex
 // (streams are opened on the loader's workers).
@@ -66,13 +88,26 @@ class ConnectionPool {
     }
   }
   Connection take(const std::string& url) {
-    {
-      std::lock_guard lock(mutex_);
-      if (!idle_.empty()) {
-        Connection connection = std::move(idle_.back());
+    while (true) {
+      std::optional<Connection> idle;
+      {
+        std::lock_guard lock(mutex_);
+        if (idle_.empty()) break;
+        idle = std::move(idle_.back());
         idle_.pop_back();
-        return connection;
       }
+      if (!quiet(*idle)) {
+        // Closing the multi handle closes the connections it keeps; the easy
+        // handle and the warm buffer stay.
+        curl_multi_cleanup(idle->multi);
+        idle->multi = curl_multi_init();
+        if (!idle->multi) {
+          curl_easy_cleanup(idle->easy);
+          continue;
+        }
+      }
+      idle->kept_socket = CURL_SOCKET_BAD;
+      return std::move(*idle);
     }
     io::detail::init_curl();
     Connection connection{curl_multi_init(), curl_easy_init(), {}};
@@ -239,6 +274,7 @@ class HttpStream final : public ByteStream {
 
   void start_attempt() {
     ++attempts_;
+    received_at_start_ = received_;
     response_checked_ = false;
     discard_ = 0;
     status_ = 0;
@@ -247,13 +283,23 @@ class HttpStream final : public ByteStream {
     error_text_[0] = '\0';
     CURL* easy = connection_.easy;
     const std::string range = std::to_string(received_) + "-";
+    // A resume asks for the rest of the object it began: a server that holds
+    // another now answers with the whole of that (200), refused below.
+    const std::string& validator = strong_etag() ? etag_ : last_modified_;
+    if (received_ > 0 && !validator.empty() && !if_range_) {
+      if_range_.reset(curl_slist_append(nullptr, ("If-Range: " + validator).c_str()));
+      if (!if_range_) fail("cannot allocate a request header (out of memory)");
+    }
     const bool ok = io::detail::set_transfer_options(easy, options_, "conveyor-http-stream") &&
                     curl_easy_setopt(easy, CURLOPT_URL, url_.c_str()) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_WRITEFUNCTION, &HttpStream::on_body) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_WRITEDATA, this) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_ERRORBUFFER, error_text_) == CURLE_OK &&
                     curl_easy_setopt(easy, CURLOPT_BUFFERSIZE, static_cast<long>(kReceiveBytes)) == CURLE_OK &&
-                    curl_easy_setopt(easy, CURLOPT_RANGE, received_ > 0 ? range.c_str() : nullptr) == CURLE_OK;
+                    curl_easy_setopt(easy, CURLOPT_RANGE, received_ > 0 ? range.c_str() : nullptr) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_HTTPHEADER, received_ > 0 ? if_range_.get() : nullptr) == CURLE_OK &&
+                    curl_easy_setopt(easy, CURLOPT_FRESH_CONNECT, std::exchange(fresh_connect_, false) ? 1L : 0L) ==
+                        CURLE_OK;
     if (!ok) fail("libcurl refused an option or the URL");
     const CURLMcode code = curl_multi_add_handle(connection_.multi, easy);
     if (code != CURLM_OK) fail(std::string("curl_multi_add_handle: ") + curl_multi_strerror(code));
@@ -275,35 +321,43 @@ class HttpStream final : public ByteStream {
       }
       curl_off_t length = -1;  // of this response's body; -1: not said
       curl_easy_getinfo(connection_.easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
-      uint64_t start = 0;  // where this body begins in the object
-      if (received_ > 0) {
+      std::optional<uint64_t> total;  // the object's length, where this response says it
+      const std::string etag = response_header("ETag"), last_modified = response_header("Last-Modified");
+      if (received_ == 0) {
+        // The reader's bytes begin with this response: every resume must
+        // come from the same object.
+        etag_ = etag;
+        last_modified_ = last_modified;
+        size_.reset();
+        if (length >= 0) total = static_cast<uint64_t>(length);
+      } else {
+        changed_ = changed_since(etag, last_modified);
+        if (!changed_.empty()) return 0;
         if (status == 206) {
           // A resume's 206 must begin where the last attempt stopped: one
           // answering another range would splice the wrong bytes in (a
-          // chunked first response left no length to catch it by).
-          curl_header* header = nullptr;
-          const bool has_range =
-              curl_easy_header(connection_.easy, "Content-Range", 0, CURLH_HEADER, -1, &header) == CURLHE_OK;
-          const std::optional<io::detail::ContentRange> range =
-              has_range ? io::detail::parse_content_range(header->value) : std::nullopt;
-          if (!range || range->first != received_) {
-            wrong_range_ = has_range ? "Content-Range: " + std::string(header->value) : "no Content-Range";
+          // chunked first response left no length to catch it by). Its
+          // total is the object's length; it may end before it (finish()).
+          const std::string header = response_header("Content-Range");
+          const std::optional<io::detail::ContentRange> range = io::detail::parse_content_range(header);
+          if (!range || range->first != received_ || (range->total && range->last >= *range->total) ||
+              (length >= 0 && static_cast<uint64_t>(length) != range->last - range->first + 1)) {
+            wrong_range_ = header.empty() ? "no Content-Range" : "Content-Range: " + header;
             return 0;
           }
-          start = received_;
+          total = range->total;
         } else {
           discard_ = received_;  // the server sent it all again
+          if (length >= 0) total = static_cast<uint64_t>(length);
         }
       }
-      if (length >= 0) {
-        const uint64_t total = start + static_cast<uint64_t>(length);
-        if (size_ && *size_ != total) {
-          status_ = status;
-          changed_ = true;  // the object changed between attempts
+      if (total) {
+        if (size_ && *size_ != *total) {
+          changed_ = std::to_string(*size_) + " bytes, now " + std::to_string(*total);
           return 0;
         }
         size_ = total;
-        if (total > options_.max_bytes) {
+        if (*total > options_.max_bytes) {
           too_big_ = true;
           return 0;
         }
@@ -337,6 +391,14 @@ class HttpStream final : public ByteStream {
 
   // An attempt ended: the end of the body, a retry, or the final failure.
   void finish(CURLcode result) {
+    // The connection libcurl keeps is found through the multi handle: asked
+    // before the easy handle leaves it.
+    curl_socket_t socket = CURL_SOCKET_BAD;
+    long version = 0;
+    if (result == CURLE_OK && (curl_easy_getinfo(connection_.easy, CURLINFO_ACTIVESOCKET, &socket) != CURLE_OK ||
+                               curl_easy_getinfo(connection_.easy, CURLINFO_HTTP_VERSION, &version) != CURLE_OK)) {
+      socket = CURL_SOCKET_BAD;
+    }
     curl_multi_remove_handle(connection_.multi, connection_.easy);
     lease_.in_multi = false;
     long status = status_;
@@ -345,6 +407,14 @@ class HttpStream final : public ByteStream {
     if (result == CURLE_OK && status >= 200 && status < 300) {
       if (!size_ || received_ == *size_) {
         done_ = true;
+        if (version == CURL_HTTP_VERSION_1_0 || version == CURL_HTTP_VERSION_1_1) connection_.kept_socket = socket;
+        return;
+      }
+      if (status == 206 && received_ > received_at_start_) {
+        // A whole 206 that ends before the object does (a server that caps
+        // its ranges): no failure; the rest is asked for at once.
+        attempts_ = 0;
+        retry_at_ = std::chrono::steady_clock::now();
         return;
       }
       result = CURLE_PARTIAL_FILE;  // ended short of its Content-Length
@@ -353,17 +423,29 @@ class HttpStream final : public ByteStream {
     bool retry = false;
     if (too_big_) {
       why = "the object holds more than max_bytes " + std::to_string(options_.max_bytes);
-    } else if (changed_) {
-      why = "the object's length changed between attempts (it was replaced mid-read)";
+    } else if (!changed_.empty()) {
+      why = "the object changed between attempts (" + changed_ + ")";
     } else if (!wrong_range_.empty()) {
       why = "the resume from byte " + std::to_string(received_) + " was answered with " + wrong_range_;
-    } else if (status != 0 && (status < 200 || status >= 300)) {  // with a body or without
+    } else if (status_ != 0 || (result == CURLE_OK && status != 0 && (status < 200 || status >= 300))) {
+      // An error status, with a body (refused by take_body) or without.
       why = "HTTP " + std::to_string(status);
       retry = status >= 500;
     } else {
+      // libcurl's reason first: a refused redirect (a loop, file://) ends
+      // on its 3xx, which alone would not say why.
       why = curl_easy_strerror(result);
       if (error_text_[0] != '\0') why += std::string(" (") + error_text_ + ")";
+      if (status != 0 && (status < 200 || status >= 300)) why += ", HTTP " + std::to_string(status);
       retry = io::detail::retryable(result);
+      if (!retried_fresh_ && io::detail::garbled_on_reuse(connection_.easy, result)) {
+        // Most likely the bytes an earlier response sent past its length,
+        // not this response: once, at once, on a new connection, uncounted.
+        retried_fresh_ = fresh_connect_ = true;
+        --attempts_;
+        retry_at_ = std::chrono::steady_clock::now();
+        return;
+      }
     }
     if (received_ > received_at_last_failure_) attempts_ = 1;  // progress since: a fresh run of retries
     received_at_last_failure_ = received_;
@@ -376,13 +458,44 @@ class HttpStream final : public ByteStream {
     fail(why);
   }
 
+  std::string response_header(const char* name) const {
+    curl_header* header = nullptr;
+    if (curl_easy_header(connection_.easy, name, 0, CURLH_HEADER, -1, &header) != CURLHE_OK) return "";
+    return header->value;
+  }
+
+  // If-Range takes only a strong ETag (RFC 9110 13.1.5).
+  bool strong_etag() const noexcept { return !etag_.empty() && !etag_.starts_with("W/"); }
+
+  // How a resume's response shows another object than the first's ("": it
+  // does not, or cannot tell). ETags are compared weakly (a W/ aside): any
+  // difference is another object. Last-Modified decides where either lacks
+  // an ETag.
+  std::string changed_since(const std::string& etag, const std::string& last_modified) const {
+    const auto opaque = [](std::string_view tag) { return tag.starts_with("W/") ? tag.substr(2) : tag; };
+    if (!etag_.empty() && !etag.empty()) {
+      return opaque(etag_) == opaque(etag) ? "" : "ETag " + etag_ + ", now " + etag;
+    }
+    if (!last_modified_.empty() && !last_modified.empty() && last_modified_ != last_modified) {
+      return "Last-Modified " + last_modified_ + ", now " + last_modified;
+    }
+    return "";
+  }
+
   [[noreturn]] void fail(const std::string& why) {
     failure_ = std::make_exception_ptr(DataError("http: " + why, url_));
     std::rethrow_exception(failure_);
   }
 
+  struct FreeSlist {
+    void operator()(curl_slist* list) const noexcept { curl_slist_free_all(list); }
+  };
+
   std::string url_;
   HttpOptions options_;
+  // A resume's If-Range header; before lease_, so that it outlives the
+  // easy handle's use of it (the Lease resets the handle).
+  std::unique_ptr<curl_slist, FreeSlist> if_range_;
   Lease lease_;
   Connection& connection_;        // lease_'s
   std::vector<uint8_t>& buffer_;  // connection_'s; buffer_[begin_, size()) waits for read()
@@ -390,6 +503,7 @@ class HttpStream final : public ByteStream {
   bool lent_ = false;  // buffer_[0, begin_) is lent by read_in_place()
   uint64_t received_ = 0;  // bytes of the object taken into the buffer, all attempts
   uint64_t received_at_last_failure_ = 0;
+  uint64_t received_at_start_ = 0;  // received_ when this attempt began
   uint64_t discard_ = 0;   // bytes of this response already received before
   std::optional<uint64_t> size_;
   int attempts_ = 0;
@@ -399,7 +513,10 @@ class HttpStream final : public ByteStream {
   bool draining_ = false;  // closed near the end: the rest is dropped (~HttpStream)
   bool done_ = false;
   bool too_big_ = false;
-  bool changed_ = false;
+  bool fresh_connect_ = false;  // the next attempt opens a new connection
+  bool retried_fresh_ = false;  // once per stream (finish())
+  std::string etag_, last_modified_;  // the validators of the response the reader's bytes began with
+  std::string changed_;  // how a resume's response showed another object (changed_since, or its length)
   std::string wrong_range_;  // a resume answered from another byte: what the 206 said
   long status_ = 0;  // an attempt's non-2xx status
   std::exception_ptr failure_;

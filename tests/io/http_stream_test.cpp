@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -25,6 +26,7 @@
 #include "conveyor/nodes/sources.h"
 #include "conveyor/tar_shards.h"
 #include "nginx_server.h"
+#include "scripted_server.h"
 #include "support/archive_events.h"
 
 namespace conveyor::nodes {
@@ -479,6 +481,242 @@ TEST_P(HttpStreamResume, AStreamCutMidObjectResumesWhereItStopped) {
 
 INSTANTIATE_TEST_SUITE_P(Ranges, HttpStreamResume, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "WithRanges" : "ServerIgnoresRanges"; });
+
+// Against a scripted server (scripted_server.h): what nginx will not do.
+using conveyor::test::ScriptedServer;
+
+// An object of `size` bytes; another version differs in its bytes, not its length.
+std::string versioned_object(size_t size, int version) {
+  std::string bytes(size, '\0');
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>((i * (version == 0 ? 7 : 13)) >> 3);
+  return bytes;
+}
+
+std::string read_all(ByteStream& stream) {
+  std::string got;
+  std::vector<uint8_t> block(4096);
+  while (const size_t count = stream.read(block)) got.append(reinterpret_cast<const char*>(block.data()), count);
+  return got;
+}
+
+// The DataError reading `stream` to its end throws, or a failure.
+DataError read_error(ByteStream& stream) {
+  try {
+    const std::string got = read_all(stream);
+    ADD_FAILURE() << "the stream ended after " << got.size() << " bytes without an error";
+  } catch (const DataError& error) {
+    return error;
+  }
+  return DataError("none", "");
+}
+
+// A first response of `head` (its status line and headers) and the first
+// half of `body`, then a reset once the client has the half: its resume
+// asks for the rest.
+void send_half_then_reset(int fd, const std::string& head, const std::string& body) {
+  ScriptedServer::send_all(fd, head + "\r\n" + body.substr(0, body.size() / 2));
+  ScriptedServer::wait_acknowledged(fd);
+}
+
+const HttpOptions kQuick{.retries = 2, .backoff = milliseconds(1)};
+
+// The object is replaced (same length) between a cut attempt and its
+// resume. The resume asks If-Range with the first response's validator; a
+// server that answers the new version, as a 206 from the byte asked (one
+// that ignores If-Range) or whole (200, one that honours it), is refused:
+// its bytes are not spliced onto the old version's.
+TEST(HttpStreamScripted, AResumeOfAReplacedObjectIsRefusedNotSpliced) {
+  constexpr size_t kSize = 100000;
+  const std::string before = versioned_object(kSize, 0), after = versioned_object(kSize, 1);
+  for (const bool etags : {true, false}) {
+    for (const bool honours_if_range : {false, true}) {
+      SCOPED_TRACE(std::string(etags ? "ETag" : "Last-Modified") + (honours_if_range ? ", 200" : ", 206"));
+      const std::string old_validator = etags ? "\"v1\"" : "Mon, 01 Jan 2024 00:00:00 GMT";
+      const std::string new_validator = etags ? "\"v2\"" : "Tue, 02 Jan 2024 00:00:00 GMT";
+      const std::string validator_header = etags ? "ETag: " : "Last-Modified: ";
+      ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+        if (!request.range_start) {
+          send_half_then_reset(fd,
+                               "HTTP/1.1 200 OK\r\n" + validator_header + old_validator +
+                                   "\r\nContent-Length: " + std::to_string(kSize) + "\r\n",
+                               before);
+          return false;
+        }
+        const uint64_t start = honours_if_range ? 0 : *request.range_start;
+        std::string head = honours_if_range ? "HTTP/1.1 200 OK\r\n"
+                                            : "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes " +
+                                                  std::to_string(start) + "-" + std::to_string(kSize - 1) + "/" +
+                                                  std::to_string(kSize) + "\r\n";
+        head += validator_header + new_validator + "\r\nContent-Length: " + std::to_string(kSize - start) + "\r\n\r\n";
+        ScriptedServer::send_all(fd, head + after.substr(start));
+        return true;
+      });
+      const std::string url = server.url("/shard.tar");
+      std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+      const DataError error = read_error(*stream);
+      EXPECT_EQ(error.file(), url);
+      EXPECT_NE(std::string(error.what()).find("the object changed between attempts"), std::string::npos)
+          << error.what();
+      const std::vector<ScriptedServer::Request> requests = server.requests();
+      ASSERT_EQ(requests.size(), 2u);
+      EXPECT_EQ(requests[1].range_start, std::optional<uint64_t>(kSize / 2));
+      EXPECT_EQ(requests[1].header("If-Range"), old_validator);
+    }
+  }
+}
+
+// The same object (its ETag) resumed: If-Range asked, the 206 taken.
+// A 206 whose Content-Range says another total length (the object grew)
+// is refused, though it starts at the byte asked and its own length fits.
+TEST(HttpStreamScripted, AResumeIsTakenOnlyWhenItsTotalLengthIsTheObjects) {
+  constexpr size_t kSize = 100000;
+  const std::string object = versioned_object(kSize, 0);
+  for (const uint64_t total : {uint64_t{kSize}, uint64_t{2 * kSize}}) {
+    SCOPED_TRACE("Content-Range total " + std::to_string(total));
+    ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+      if (!request.range_start) {
+        send_half_then_reset(fd, "HTTP/1.1 200 OK\r\nETag: \"v1\"\r\nContent-Length: " + std::to_string(kSize) + "\r\n",
+                             object);
+        return false;
+      }
+      const uint64_t start = *request.range_start;
+      ScriptedServer::send_all(fd, "HTTP/1.1 206 Partial Content\r\nETag: \"v1\"\r\nContent-Range: bytes " +
+                                       std::to_string(start) + "-" + std::to_string(kSize - 1) + "/" +
+                                       std::to_string(total) + "\r\nContent-Length: " + std::to_string(kSize - start) +
+                                       "\r\n\r\n" + object.substr(start));
+      return true;
+    });
+    const std::string url = server.url("/shard.tar");
+    std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+    if (total == kSize) {
+      EXPECT_TRUE(read_all(*stream) == object) << "the bytes differ";
+    } else {
+      const DataError error = read_error(*stream);
+      EXPECT_EQ(error.file(), url);
+      EXPECT_NE(std::string(error.what()).find("the object changed between attempts (100000 bytes, now 200000)"),
+                std::string::npos)
+          << error.what();
+    }
+    const std::vector<ScriptedServer::Request> requests = server.requests();
+    ASSERT_EQ(requests.size(), 2u);
+    EXPECT_EQ(requests[1].header("If-Range"), "\"v1\"");
+  }
+}
+
+// A chunked first response (no length) is cut; the resume's 206 answers
+// only 10 bytes of the rest ("bytes 50000-50009/100000"). The object's
+// length is Content-Range's total: the stream goes on with a range for the
+// rest, and does not end there as if the object were whole.
+TEST(HttpStreamScripted, A206ThatStopsShortOfTheObjectIsNotItsEnd) {
+  constexpr size_t kSize = 100000;
+  const std::string object = versioned_object(kSize, 0);
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (!request.range_start) {
+      char chunk_size[32];
+      std::snprintf(chunk_size, sizeof chunk_size, "%zx\r\n", kSize / 2);
+      ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + std::string(chunk_size) +
+                                       object.substr(0, kSize / 2) + "\r\n");
+      ScriptedServer::wait_acknowledged(fd);
+      return false;
+    }
+    const uint64_t start = *request.range_start;
+    const uint64_t end = request.number == 1 ? start + 10 : kSize;  // the first resume: 10 bytes
+    ScriptedServer::send_all(fd, "HTTP/1.1 206 Partial Content\r\nContent-Length: " + std::to_string(end - start) +
+                                     "\r\nContent-Range: bytes " + std::to_string(start) + "-" +
+                                     std::to_string(end - 1) + "/" + std::to_string(kSize) + "\r\n\r\n" +
+                                     object.substr(start, end - start));
+    return true;
+  });
+  std::unique_ptr<ByteStream> stream = http_opener(kQuick)(server.url("/shard.tar"));
+  const std::string got = read_all(*stream);
+  EXPECT_EQ(got.size(), kSize);
+  EXPECT_TRUE(got == object) << "the bytes differ";
+  EXPECT_EQ(stream->size(), std::optional<uint64_t>(kSize));
+  std::vector<std::optional<uint64_t>> ranges;
+  for (const ScriptedServer::Request& request : server.requests()) ranges.push_back(request.range_start);
+  EXPECT_EQ(ranges, (std::vector<std::optional<uint64_t>>{std::nullopt, kSize / 2, kSize / 2 + 10}));
+}
+
+// A response sends 500 bytes past its Content-Length once the client has
+// read it whole. The next stream of the opener does not reuse that
+// connection (the bytes would be read as its response: "Received
+// HTTP/0.9", or worse, taken for it): a new one gives its own object.
+TEST(HttpStreamScripted, BytesPastAContentLengthDoNotReachTheNextStream) {
+  const std::string second = versioned_object(1000, 1);
+  std::promise<void> send_stray, stray_sent;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (request.number == 0) {
+      ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + std::string(1000, 'A'));
+      send_stray.get_future().wait_for(std::chrono::seconds(10));
+      ScriptedServer::send_all(fd, std::string(500, 'B'));  // past the length
+      ScriptedServer::wait_acknowledged(fd);
+      stray_sent.set_value();
+      return true;
+    }
+    ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + second);
+    return true;
+  });
+  StreamOpener open = http_opener(kQuick);
+  EXPECT_EQ(read_all(*open(server.url("/first.tar"))), std::string(1000, 'A'));  // its connection kept
+  send_stray.set_value();
+  stray_sent.get_future().wait();
+  const std::string url = server.url("/second.tar");
+  try {
+    EXPECT_TRUE(read_all(*open(url)) == second) << "the bytes differ";
+  } catch (const DataError& error) {
+    ADD_FAILURE() << error.what();
+  }
+  const std::vector<ScriptedServer::Request> requests = server.requests();
+  ASSERT_EQ(requests.size(), 2u);
+  EXPECT_EQ(requests[1].connection, 2);
+}
+
+// Garbage where a kept connection's next response should begin (what
+// bytes past an earlier response's length look like when they arrive after
+// the connection was taken) is tried again on a new connection, once.
+TEST(HttpStreamScripted, GarbageOnAKeptConnectionIsRetriedOnANewOne) {
+  const std::string object = versioned_object(1000, 0);
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (request.number == 1) {
+      ScriptedServer::send_all(fd, "garbage, not a status line\r\n\r\n");
+      return true;
+    }
+    ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + object);
+    return true;
+  });
+  // No retries: the one on a new connection is not counted.
+  StreamOpener open = http_opener({.retries = 0});
+  EXPECT_TRUE(read_all(*open(server.url("/first.tar"))) == object);
+  try {
+    EXPECT_TRUE(read_all(*open(server.url("/second.tar"))) == object) << "the bytes differ";
+  } catch (const DataError& error) {
+    ADD_FAILURE() << error.what();
+  }
+  const std::vector<ScriptedServer::Request> requests = server.requests();
+  ASSERT_EQ(requests.size(), 3u);
+  EXPECT_EQ(requests[1].connection, 1);
+  EXPECT_EQ(requests[2].connection, 2);
+}
+
+// A redirect to file:// and a redirect loop are refused; the error says
+// why (libcurl's reason), with the status, not only "HTTP 302".
+TEST(HttpStreamScripted, ARefusedRedirectIsNamedByItsReason) {
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    const bool loop = request.head.starts_with("GET /loop");
+    ScriptedServer::send_all(fd, std::string("HTTP/1.1 302 Found\r\nLocation: ") +
+                                     (loop ? "/loop" : "file:///etc/passwd") + "\r\nContent-Length: 0\r\n\r\n");
+    return true;
+  });
+  for (const std::string path : {"/file", "/loop"}) {
+    const std::string url = server.url(path);
+    std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+    const DataError error = read_error(*stream);
+    EXPECT_EQ(error.file(), url);
+    const std::string what = error.what();
+    EXPECT_NE(what.find(path == "/loop" ? "redirects" : "\"file\""), std::string::npos) << what;
+    EXPECT_NE(what.find(", HTTP 302"), std::string::npos) << what;
+  }
+}
 
 }  // namespace
 }  // namespace conveyor::nodes

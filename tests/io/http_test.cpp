@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <optional>
 #include <random>
@@ -15,6 +16,7 @@
 #include "conveyor/nodes/http.h"
 #include "conveyor/nodes/sources.h"
 #include "nginx_server.h"
+#include "scripted_server.h"
 #include "support/random_pipeline.h"
 #ifdef CONVEYOR_IO_TEST_FORMATS
 #include "conveyor/tar_shards.h"
@@ -636,6 +638,50 @@ TEST(HttpGetServerStopped, MidPassGivesErrorsNotHangs) {
   EXPECT_GE(objects, 20);
   EXPECT_GT(errors, 0);
   EXPECT_EQ(objects + errors, kObjects);
+}
+
+// A response sends 500 bytes past its Content-Length once the client has
+// read it whole (scripted_server.h); the next object's GET on that kept
+// connection finds them where its status line should be ("Received
+// HTTP/0.9") and is tried again on a new connection, uncounted.
+TEST(HttpGetScripted, BytesPastAContentLengthDoNotFailTheNextObject) {
+  using conveyor::test::ScriptedServer;
+  const std::string second(1000, 'b');
+  std::promise<void> send_stray, stray_sent;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (request.number == 0) {
+      ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + std::string(1000, 'a'));
+      send_stray.get_future().wait_for(std::chrono::seconds(10));
+      ScriptedServer::send_all(fd, std::string(500, 'x'));  // past the length
+      ScriptedServer::wait_acknowledged(fd);
+      stray_sent.set_value();
+      return true;
+    }
+    ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + second);
+    return true;
+  });
+  const std::vector<std::string> urls = {server.url("/first.bin"), server.url("/second.bin")};
+  auto pipeline = from_vector(urls) | http_get({.max_in_flight = 1, .retries = 0});
+  auto pass = pipeline.pass();
+  std::optional<HttpObject> first = pass.next();  // the second is not asked for before this one is handed out
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->bytes, std::vector<uint8_t>(1000, 'a'));
+  send_stray.set_value();
+  stray_sent.get_future().wait();
+  try {
+    std::optional<HttpObject> object = pass.next();
+    ASSERT_TRUE(object);
+    EXPECT_EQ(object->url, urls[1]);
+    EXPECT_EQ(std::string(object->bytes.begin(), object->bytes.end()), second);
+  } catch (const DataError& error) {
+    ADD_FAILURE() << error.what();
+  }
+  // The second object's request on the kept connection (unless the server
+  // saw it closed first), then on a new one.
+  const std::vector<ScriptedServer::Request> requests = server.requests();
+  ASSERT_GE(requests.size(), 2u);
+  EXPECT_TRUE(requests.back().head.starts_with("GET /second.bin ")) << requests.back().head;
+  EXPECT_EQ(requests.back().connection, 2);
 }
 
 #ifdef CONVEYOR_IO_TEST_FORMATS

@@ -133,9 +133,12 @@ HttpGetAdaptor http_get(HttpOptions options = {});
 // untar, opening the next shard ahead, overlaps its request with this one). Other locations are
 // declined (read as local files). A failed transfer (timeout, reset, refused
 // connection, 5xx) resumes where it stopped with a byte range (Range:
-// bytes=N-), after backoff; `retries` bounds consecutive attempts that bring
-// no new byte. max_bytes bounds the object; total_timeout bounds each
-// attempt, and an attempt cut by it resumes like any other. max_in_flight
+// bytes=N-, If-Range: the first response's ETag or Last-Modified), after
+// backoff; `retries` bounds consecutive attempts that bring no new byte. A
+// resume that finds another object (its ETag, Last-Modified or length
+// differs) is a DataError, never spliced onto the bytes already read.
+// max_bytes bounds the object; total_timeout bounds each attempt, and an
+// attempt cut by it resumes like any other. max_in_flight
 // and on_error are not used (one transfer per stream; the reader decides
 // what to skip). Connections are kept for the next stream opened by the same
 // opener. The opener may be called from several threads at once. Throws

@@ -3,7 +3,10 @@
 //
 // A Sampler<Index> is a reusable recipe; iter() starts one pass over it (one
 // epoch) and draws its randomness lazily, at the points Python's generator
-// functions draw it. Samplers are used by one thread at a time.
+// functions draw it. Samplers are used by one thread at a time. The built-in
+// samplers' passes may outlive them (they share the sampler's generator), and
+// a pass whose next() threw is over: next() then returns false, as a Python
+// generator that raised is finished.
 #pragma once
 
 #include <cstddef>
@@ -127,7 +130,7 @@ class SubsetRandomSampler final : public Sampler<size_t> {
  public:
   explicit SubsetRandomSampler(std::vector<size_t> indices,
                                std::optional<Generator> generator = std::nullopt);
-  size_t size() const override { return indices_.size(); }
+  size_t size() const override { return indices_->size(); }
   std::unique_ptr<SamplerIterator<size_t>> iter() override;
   std::string name() const override { return "SubsetRandomSampler"; }
   State state() const override;
@@ -135,7 +138,7 @@ class SubsetRandomSampler final : public Sampler<size_t> {
   bool draws_from_default_generator() const override { return !generator_; }
 
  private:
-  std::vector<size_t> indices_;
+  std::shared_ptr<const std::vector<size_t>> indices_;  // shared with passes that outlive this
   std::optional<Generator> generator_;
 };
 
@@ -155,7 +158,7 @@ class WeightedRandomSampler final : public Sampler<size_t> {
   bool draws_from_default_generator() const override { return !generator_; }
 
  private:
-  std::vector<double> weights_;
+  std::shared_ptr<const std::vector<double>> weights_;  // shared with passes that outlive this
   size_t num_samples_;
   bool replacement_;
   std::optional<Generator> generator_;
@@ -191,7 +194,8 @@ class BatchSampler final : public Sampler<BatchIndices> {
 // num_replicas, then every num_replicas-th index from `rank`.
 class DistributedSampler final : public Sampler<size_t> {
  public:
-  // Throws ValueError for num_replicas < 1 or rank outside [0, num_replicas-1].
+  // Throws ValueError for a rank outside [0, num_replicas-1] (so for any rank
+  // when num_replicas < 1), with PyTorch's message.
   DistributedSampler(size_t data_size, int64_t num_replicas, int64_t rank, bool shuffle = true,
                      uint64_t seed = 0, bool drop_last = false);
   size_t size() const override { return num_samples_; }

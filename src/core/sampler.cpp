@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -34,8 +35,8 @@ class LazyIterator final : public SamplerIterator<size_t> {
   explicit LazyIterator(Draw draw) : draw_(std::move(draw)) {}
   bool next(size_t& out) override {
     if (!drawn_) {
+      drawn_ = true;  // before the draw: a generator that raised is finished
       indices_ = draw_();
-      drawn_ = true;
     }
     if (position_ == indices_.size()) return false;
     out = indices_[position_++];
@@ -70,17 +71,22 @@ class SequentialIterator final : public SamplerIterator<size_t> {
 
 // RandomSampler.__iter__, step by step: draws happen when the consumer asks
 // for the first index of each randperm / randint chunk, and the trailing
-// remainder draw happens even when the remainder is empty.
+// remainder draw happens even when the remainder is empty. It holds copies of
+// what it reads (the generator a handle on the sampler's own engine), so it
+// may outlive its sampler, as Python's generator keeps its sampler alive.
 class RandomIterator final : public SamplerIterator<size_t> {
  public:
-  RandomIterator(const RandomSampler& sampler, std::optional<Generator> generator)
-      : sampler_(sampler), replacement_(sampler.replacement()), shared_generator_(std::move(generator)) {}
+  RandomIterator(DataSize data_size, bool replacement, std::optional<size_t> num_samples,
+                 std::optional<Generator> generator)
+      : data_size_fn_(std::move(data_size)),
+        replacement_(replacement),
+        num_samples_given_(num_samples),
+        shared_generator_(std::move(generator)) {}
 
   bool next(size_t& out) override {
-    if (!started_) start();
     while (position_ == block_.size()) {
       if (finished_) return false;
-      draw_block();
+      step();
     }
     out = block_[position_++];
     return true;
@@ -89,12 +95,26 @@ class RandomIterator final : public SamplerIterator<size_t> {
  private:
   static constexpr size_t kChunk = 32;
 
+  // The next block, starting the pass first. A throw finishes the pass, as a
+  // Python generator that raised is finished: next() then returns false.
+  void step() {
+    try {
+      if (!started_) start();
+      draw_block();
+    } catch (...) {
+      finished_ = true;
+      block_.clear();
+      position_ = 0;
+      throw;
+    }
+  }
+
   // Where Python's generator body starts: it reads len(data_source) and
   // num_samples here.
   void start() {
     started_ = true;
-    data_size_ = sampler_.data_size();
-    num_samples_ = sampler_.num_samples();
+    data_size_ = data_size_fn_();
+    num_samples_ = num_samples_given_ ? *num_samples_given_ : data_size_;
     if (!shared_generator_) {
       generator_ = Generator(static_cast<uint64_t>(draw_seed(default_generator())));
     } else {
@@ -129,8 +149,9 @@ class RandomIterator final : public SamplerIterator<size_t> {
     }
   }
 
-  const RandomSampler& sampler_;  // outlives its passes (Sampler's contract)
+  DataSize data_size_fn_;
   bool replacement_;
+  std::optional<size_t> num_samples_given_;  // nullopt: the data size
   size_t data_size_ = 0;
   size_t num_samples_ = 0;
   std::optional<Generator> shared_generator_;
@@ -142,23 +163,33 @@ class RandomIterator final : public SamplerIterator<size_t> {
   size_t position_ = 0;
 };
 
+// Holds its sampler: the inner iterator of a sampler of the user's may refer
+// to it, and Python's generator keeps it alive too.
 class BatchIterator final : public SamplerIterator<BatchIndices> {
  public:
-  BatchIterator(std::unique_ptr<SamplerIterator<size_t>> indices, size_t batch_size,
-                bool drop_last)
-      : indices_(std::move(indices)), batch_size_(batch_size), drop_last_(drop_last) {}
+  BatchIterator(std::shared_ptr<Sampler<size_t>> sampler, size_t batch_size, bool drop_last)
+      : indices_(sampler->iter()),
+        sampler_(std::move(sampler)),
+        batch_size_(batch_size),
+        drop_last_(drop_last) {}
 
   bool next(BatchIndices& out) override {
     out.clear();
     if (done_) return false;
     out.reserve(std::min<size_t>(batch_size_, 1024));  // batch_size may be far above the data
     size_t index = 0;
-    while (out.size() < batch_size_) {
-      if (!indices_->next(index)) {
-        done_ = true;
-        break;
+    try {
+      while (out.size() < batch_size_) {
+        if (!indices_->next(index)) {
+          done_ = true;
+          break;
+        }
+        out.push_back(index);
       }
-      out.push_back(index);
+    } catch (...) {
+      done_ = true;  // a generator that raised is finished, whatever the inner iterator does
+      out.clear();
+      throw;
     }
     if (out.empty() || (drop_last_ && out.size() < batch_size_)) {
       out.clear();
@@ -169,6 +200,7 @@ class BatchIterator final : public SamplerIterator<BatchIndices> {
 
  private:
   std::unique_ptr<SamplerIterator<size_t>> indices_;
+  std::shared_ptr<Sampler<size_t>> sampler_;
   size_t batch_size_;
   bool drop_last_;
   bool done_ = false;
@@ -202,25 +234,29 @@ RandomSampler::RandomSampler(DataSize data_size, bool replacement,
 }
 
 std::unique_ptr<SamplerIterator<size_t>> RandomSampler::iter() {
-  return std::make_unique<RandomIterator>(*this, generator_);
+  return std::make_unique<RandomIterator>(data_size_, replacement_, num_samples_, generator_);
 }
 
 SubsetRandomSampler::SubsetRandomSampler(std::vector<size_t> indices,
                                          std::optional<Generator> generator)
-    : indices_(std::move(indices)), generator_(std::move(generator)) {}
+    : indices_(std::make_shared<const std::vector<size_t>>(std::move(indices))),
+      generator_(std::move(generator)) {}
 
+// The draws hold what they read, not the sampler, which may go first.
 std::unique_ptr<SamplerIterator<size_t>> SubsetRandomSampler::iter() {
-  return lazy([this] {
-    Generator& g = generator_ ? *generator_ : default_generator();
-    std::vector<size_t> order = randperm(indices_.size(), g);
-    for (size_t& i : order) i = indices_[i];
+  return lazy([indices = indices_, generator = generator_]() mutable {
+    Generator& g = generator ? *generator : default_generator();
+    std::vector<size_t> order = randperm(indices->size(), g);
+    for (size_t& i : order) i = (*indices)[i];
     return order;
   });
 }
 
 WeightedRandomSampler::WeightedRandomSampler(std::vector<double> weights, int64_t num_samples,
                                              bool replacement, std::optional<Generator> generator)
-    : weights_(std::move(weights)), replacement_(replacement), generator_(std::move(generator)) {
+    : weights_(std::make_shared<const std::vector<double>>(std::move(weights))),
+      replacement_(replacement),
+      generator_(std::move(generator)) {
   if (num_samples <= 0) {
     throw ValueError("num_samples should be a positive integer value, but got num_samples=" +
                      std::to_string(num_samples));
@@ -229,10 +265,11 @@ WeightedRandomSampler::WeightedRandomSampler(std::vector<double> weights, int64_
 }
 
 std::unique_ptr<SamplerIterator<size_t>> WeightedRandomSampler::iter() {
-  return lazy([this] {
-    Generator& g = generator_ ? *generator_ : default_generator();
+  return lazy([weights = weights_, num_samples = num_samples_, replacement = replacement_,
+               generator = generator_]() mutable {
+    Generator& g = generator ? *generator : default_generator();
     const std::vector<int64_t> drawn =
-        multinomial(weights_, static_cast<int64_t>(num_samples_), replacement_, g);
+        multinomial(*weights, static_cast<int64_t>(num_samples), replacement, g);
     return std::vector<size_t>(drawn.begin(), drawn.end());
   });
 }
@@ -253,20 +290,18 @@ size_t BatchSampler::size() const {
 }
 
 std::unique_ptr<SamplerIterator<BatchIndices>> BatchSampler::iter() {
-  return std::make_unique<BatchIterator>(sampler_->iter(), batch_size_, drop_last_);
+  return std::make_unique<BatchIterator>(sampler_, batch_size_, drop_last_);
 }
 
 DistributedSampler::DistributedSampler(size_t data_size, int64_t num_replicas, int64_t rank,
                                        bool shuffle, uint64_t seed, bool drop_last)
     : data_size_(data_size), shuffle_(shuffle), seed_(seed), drop_last_(drop_last) {
-  if (num_replicas < 1) {
-    throw ValueError("num_replicas should be a positive integer, but got num_replicas=" +
-                     std::to_string(num_replicas));
-  }
+  // PyTorch 1.13 checks the rank only: num_replicas < 1 fails it, whatever the rank.
   if (rank >= num_replicas || rank < 0) {
+    const std::string last = num_replicas == INT64_MIN ? "-9223372036854775809"  // no overflow
+                                                       : std::to_string(num_replicas - 1);
     throw ValueError("Invalid rank " + std::to_string(rank) +
-                     ", rank should be in the interval [0, " + std::to_string(num_replicas - 1) +
-                     "]");
+                     ", rank should be in the interval [0, " + last + "]");
   }
   num_replicas_ = static_cast<size_t>(num_replicas);
   rank_ = static_cast<size_t>(rank);
@@ -279,27 +314,22 @@ DistributedSampler::DistributedSampler(size_t data_size, int64_t num_replicas, i
 }
 
 std::unique_ptr<SamplerIterator<size_t>> DistributedSampler::iter() {
-  std::vector<size_t> indices;
+  std::vector<size_t> order;
   if (shuffle_) {
     Generator g(seed_ + epoch_);
-    indices = randperm(data_size_, g);
-  } else {
-    indices.resize(data_size_);
-    for (size_t i = 0; i < data_size_; ++i) indices[i] = i;
+    order = randperm(data_size_, g);
   }
-  const size_t total = total_size();
-  if (!drop_last_) {
-    // Pad by repeating the head, the whole list as often as needed.
-    const size_t original = indices.size();
-    for (size_t i = 0; indices.size() < total && original > 0; ++i) {
-      indices.push_back(indices[i % original]);
-    }
-  } else {
-    indices.resize(total);
+  // Entry i of the padded list is order[i % n] (padding repeats the whole
+  // list from its head; drop_last cuts it, i < n), so this rank's share comes
+  // straight from the order, not from a list of total_size(), which a huge
+  // num_replicas makes huge. num_samples_ > 0 implies n > 0.
+  std::vector<size_t> mine(num_samples_);
+  size_t i = rank_;
+  for (size_t& index : mine) {
+    const size_t at = i % data_size_;
+    index = shuffle_ ? order[at] : at;
+    i += num_replicas_;
   }
-  std::vector<size_t> mine;
-  mine.reserve(num_samples_);
-  for (size_t i = rank_; i < total; i += num_replicas_) mine.push_back(indices[i]);
   return std::make_unique<VectorIterator>(std::move(mine));
 }
 
@@ -344,7 +374,7 @@ void WeightedRandomSampler::load_state(const State& state) { load_generator_stat
 State WeightedRandomSampler::fingerprint() const {
   State out = Sampler::fingerprint();
   out.set("replacement", replacement_);
-  out.set("categories", static_cast<uint64_t>(weights_.size()));
+  out.set("categories", static_cast<uint64_t>(weights_->size()));
   return out;
 }
 

@@ -176,18 +176,30 @@ Array<T> collate_numbers(std::vector<T>&& batch) {
 template <class T>
 Array<T> stack_arrays(std::vector<Array<T>>&& batch) {
   require_nonempty(batch.size());
+  // A default Array() has shape [] like a scalar but no element: the shape
+  // alone does not give the bytes to copy, so numel must match too.
+  const auto describe = [](const Array<T>& a) {
+    return a.dim() == 0 && a.numel() == 0 ? std::string("[] (an empty Array())")
+                                          : shape_string(a.shape());
+  };
   const std::vector<int64_t>& shape = batch.front().shape();
+  const size_t per_sample = batch.front().numel();
   for (size_t i = 1; i < batch.size(); ++i) {
-    if (batch[i].shape() != shape) {
+    if (batch[i].shape() != shape || batch[i].numel() != per_sample) {
       throw RuntimeError("stack expects each tensor to be equal size, but got " +
-                         shape_string(shape) + " at entry 0 and " +
-                         shape_string(batch[i].shape()) + " at entry " + std::to_string(i));
+                         describe(batch.front()) + " at entry 0 and " + describe(batch[i]) +
+                         " at entry " + std::to_string(i));
     }
+  }
+  if (shape.empty() && per_sample == 0) {  // all empty: stacking would invent an element each
+    const std::string where =
+        batch.size() == 1 ? "entry 0" : "entries 0 to " + std::to_string(batch.size() - 1);
+    throw ValueError("default_collate: cannot stack empty Array()s (default constructed: shape [] "
+                     "but no element), at " + where);
   }
   std::vector<int64_t> stacked{static_cast<int64_t>(batch.size())};
   stacked.insert(stacked.end(), shape.begin(), shape.end());
   Array<T> out(std::move(stacked));
-  const size_t per_sample = batch.front().numel();
   for (size_t i = 0; i < batch.size(); ++i) {
     std::memcpy(out.data() + i * per_sample, batch[i].data(), per_sample * sizeof(T));
   }

@@ -64,9 +64,15 @@ at::Tensor tensor_over(std::shared_ptr<void> owner, void* data, at::IntArrayRef 
 std::shared_ptr<void> owner_of(const at::Tensor& tensor);
 }  // namespace detail
 
-// The Array's elements as a tensor sharing its memory.
+// The Array's elements as a tensor sharing its memory. Throws ValueError for
+// a default Array(): a tensor of its shape, [], holds one element, and one of
+// shape [0] would add a dimension the Array does not have.
 template <class T>
 at::Tensor to_tensor(const Array<T>& array) {
+  if (array.dim() == 0 && array.numel() == 0) {
+    throw ValueError(
+        "to_tensor: an empty Array() (default constructed: shape [] but no element) has no tensor");
+  }
   return detail::tensor_over(array.owner(), const_cast<T*>(array.data()), array.shape(),
                              scalar_type_of<T>());
 }

@@ -93,6 +93,9 @@ at::Tensor tensor_over(std::shared_ptr<void> owner, void* data, at::IntArrayRef 
   int64_t numel = 1;
   for (int64_t extent : sizes) numel *= extent;
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  if (data == nullptr && bytes != 0) {  // no memory must not pass for elements (sizes [] claim one)
+    throw ValueError("tensor_over: no memory for " + std::to_string(numel) + " elements");
+  }
   auto* context = new std::shared_ptr<void>(std::move(owner));
   c10::DataPtr data_ptr(data, context, &release_owner, at::Device(at::kCPU));
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data_ptr),

@@ -166,6 +166,22 @@ TEST(ArrayToTensor, SharesMemory) {
   EXPECT_EQ(t[1][2].item<int32_t>(), 42);
 }
 
+// A default Array() has shape [] but no element, and a tensor of shape []
+// holds one: no tensor stands for it.
+TEST(ArrayToTensor, AnEmptyArrayHasNoTensor) {
+  try {
+    at::Tensor t = conveyor::to_tensor(conveyor::Array<float>());
+    FAIL() << "a tensor of sizes " << t.sizes() << " and " << t.numel() << " elements";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(),
+                 "to_tensor: an empty Array() (default constructed: shape [] but no element) "
+                 "has no tensor");
+  }
+  conveyor::Array<float> scalar(std::vector<int64_t>{});  // a scalar is one element: still fine
+  scalar[0] = 2.5f;
+  EXPECT_EQ(conveyor::to_tensor(scalar).item<float>(), 2.5f);
+}
+
 }  // namespace
 
 // LibTorch's own MNIST reader, run through conveyor's loader, must agree with

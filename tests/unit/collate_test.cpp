@@ -52,6 +52,38 @@ TEST(DefaultCollate, UnequalArraysGiveTorchsStackMessage) {
   }
 }
 
+// A default Array() has shape [] like a scalar, but no element: the shapes
+// match, the sizes do not.
+TEST(DefaultCollate, EmptyArraysDoNotPassForScalars) {
+  Array<float> scalar(std::vector<int64_t>{});
+  scalar[0] = 1.5f;
+  const auto error = [](std::vector<Array<float>> samples) {
+    try {
+      default_collate(std::move(samples));
+    } catch (const conveyor::RuntimeError& e) {
+      return std::string("RuntimeError: ") + e.what();
+    } catch (const conveyor::ValueError& e) {
+      return std::string("ValueError: ") + e.what();
+    }
+    return std::string("no exception");
+  };
+  EXPECT_EQ(error({scalar, Array<float>()}),
+            "RuntimeError: stack expects each tensor to be equal size, but got [] at entry 0 and "
+            "[] (an empty Array()) at entry 1");
+  EXPECT_EQ(error({Array<float>(), scalar, scalar}),
+            "RuntimeError: stack expects each tensor to be equal size, but got "
+            "[] (an empty Array()) at entry 0 and [] at entry 1");
+  EXPECT_EQ(error({Array<float>(), Array<float>()}),
+            "ValueError: default_collate: cannot stack empty Array()s (default constructed: "
+            "shape [] but no element), at entries 0 to 1");
+  EXPECT_EQ(error({Array<float>()}),
+            "ValueError: default_collate: cannot stack empty Array()s (default constructed: "
+            "shape [] but no element), at entry 0");
+  Array<float> scalars = default_collate(std::vector<Array<float>>{scalar, scalar});  // still fine
+  EXPECT_EQ(scalars.shape(), (std::vector<int64_t>{2}));
+  EXPECT_EQ(values(scalars), (std::vector<float>{1.5f, 1.5f}));
+}
+
 TEST(DefaultCollate, StdArraysOfNumbersStack) {
   auto batch = default_collate(std::vector<std::array<double, 3>>{{1, 2, 3}, {4, 5, 6}});
   static_assert(std::is_same_v<decltype(batch), Array<double>>);

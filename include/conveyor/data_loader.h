@@ -303,10 +303,6 @@ class DataLoader {
     progress->base_seed = base_seed;
     std::shared_ptr<detail::EpochProgress> last_progress = std::exchange(core.progress, progress);
     try {
-      // The dataset learns every pass's epoch, set or counted, so that its
-      // per-epoch shuffles (TarShardDataset's shard order) move on without
-      // set_epoch(). Samplers keep PyTorch's rule: only set_epoch() moves them.
-      if constexpr (requires(D& d) { d.set_epoch(epoch); }) core.dataset->set_epoch(epoch);
       return Epoch(core_, base_seed, epoch, make_source(), progress);
     } catch (...) {
       // No epoch started (a sampler's iter() threw, a persistent loader's
@@ -349,10 +345,9 @@ class DataLoader {
     return length;
   }
 
-  // Tells the sampler (DistributedSampler reshuffles by it), the dataset and
-  // the work-stealing seeds which epoch the next pass is. Without it, passes
-  // count 0, 1, 2..., which iter() tells the dataset too but not the sampler
-  // (as in PyTorch, a DistributedSampler then shuffles the same each epoch).
+  // Tells the sampler (DistributedSampler reshuffles by it) and the
+  // work-stealing seeds which epoch the next pass is. Without it, passes
+  // count 0, 1, 2...
   void set_epoch(uint64_t epoch) {
     core_->epoch = epoch;
     if (core_->plan.index_sampler) core_->plan.index_sampler->set_epoch(epoch);

@@ -79,8 +79,7 @@ class IterableDataset {
   // The number of samples, if known (Python's optional __len__).
   virtual std::optional<size_t> size() const { return std::nullopt; }
 
-  // Called by DataLoader::set_epoch, and by DataLoader::iter() with the
-  // pass's epoch (set, or counted 0, 1, 2...) before its replicas are made:
+  // Called by DataLoader::set_epoch before the epoch's replicas are made:
   // per-epoch shuffles (of shards, say) key on it.
   virtual void set_epoch(uint64_t /*epoch*/) {}
 };

@@ -113,8 +113,7 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 // (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
 // Whether `path` holds a brace range's opening "{N.." (a pattern, even a
-// malformed one). In a path without one, braces ("odd-{x}.tar") are part of
-// the name; in a pattern every brace pair must be a range.
+// malformed one); braces without one ("odd-{x}.tar") are part of a name.
 bool is_shard_pattern(std::string_view path);
 // Each pattern expanded in turn, their paths in order; an entry that is no
 // pattern (is_shard_pattern) is kept as it is. The same errors, and the same

@@ -585,32 +585,6 @@ TEST(TarShardShuffle, LoaderSetEpochReordersShards) {
   }
 }
 
-// "Reshuffle the shard order every epoch" holds without set_epoch(): the
-// loader tells the dataset each pass's counted epoch (0, 1, 2...), so the
-// passes run in the orders set_epoch(0), (1), (2) give.
-TEST(TarShardShuffle, ShardOrderMovesOnEveryPassWithoutSetEpoch) {
-  TempDir dir;
-  const std::vector<std::string> paths = write_samples(dir.file("c-"), 8, 1);  // 8 shards
-  TarShardOptions options = options_for(paths);
-  options.shuffle_shards = true;
-  options.seed = 3;
-  const auto passes = [&](bool set_epoch) {
-    TarShardDataset dataset(options);
-    Loader loader(dataset, {.batch_size = std::nullopt});
-    std::vector<std::vector<std::string>> orders;
-    for (uint64_t epoch = 0; epoch < 3; ++epoch) {
-      if (set_epoch) loader.set_epoch(epoch);
-      std::vector<std::string>& order = orders.emplace_back();
-      for (ShardSample& sample : loader) order.push_back(sample.key);
-    }
-    return orders;
-  };
-  const std::vector<std::vector<std::string>> counted = passes(false);
-  EXPECT_EQ(counted, passes(true));
-  EXPECT_NE(counted[0], counted[1]);
-  EXPECT_NE(counted[1], counted[2]);
-}
-
 TEST(TarShardShuffle, BufferShufflesReproduciblyPerLoaderSeed) {
   TempDir dir;
   const std::vector<std::string> paths = write_samples(dir.file("b-"), 40, 5);  // 8 shards

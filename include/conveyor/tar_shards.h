@@ -45,7 +45,10 @@ struct TarShardOptions {
   // DataError when its turn comes.
   std::vector<std::string> shards;
   // Reshuffle the shard order every epoch (Generator(seed + epoch), the same
-  // on every rank), before shards are split across ranks and workers.
+  // on every rank), before shards are split across ranks and workers. The
+  // epoch is DataLoader::set_epoch()'s, as for a DistributedSampler: call it
+  // before each epoch. Without it every pass has epoch 0's order, and passes
+  // after one set_epoch(e) (a rank padding its share again) all have e's.
   bool shuffle_shards = false;
   uint64_t seed = 0;
   // Shuffle samples through a buffer of this many (0: no shuffle): the
@@ -113,7 +116,8 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 // (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
 // Whether `path` holds a brace range's opening "{N.." (a pattern, even a
-// malformed one); braces without one ("odd-{x}.tar") are part of a name.
+// malformed one). In a path without one, braces ("odd-{x}.tar") are part of
+// the name; in a pattern every brace pair must be a range.
 bool is_shard_pattern(std::string_view path);
 // Each pattern expanded in turn, their paths in order; an entry that is no
 // pattern (is_shard_pattern) is kept as it is. The same errors, and the same

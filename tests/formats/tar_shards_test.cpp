@@ -585,6 +585,34 @@ TEST(TarShardShuffle, LoaderSetEpochReordersShards) {
   }
 }
 
+// The shard order moves with set_epoch() alone, as a DistributedSampler's:
+// passes after one set_epoch(e) all have e's order (a distributed trainer
+// pads a short rank by reading its share again, and the ranks' shares must
+// not change under it), and passes without any have epoch 0's.
+TEST(TarShardShuffle, PassesWithinOneSetEpochKeepItsOrder) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("c-"), 8, 1);  // 8 shards
+  TarShardOptions options = options_for(paths);
+  options.shuffle_shards = true;
+  options.seed = 3;
+  TarShardDataset dataset(options);
+  Loader loader(dataset, {.batch_size = std::nullopt});
+  const auto pass = [&] {
+    std::vector<std::string> order;
+    for (ShardSample& sample : loader) order.push_back(sample.key);
+    return order;
+  };
+  const std::vector<std::string> unset = pass();
+  EXPECT_EQ(pass(), unset);
+  loader.set_epoch(0);
+  EXPECT_EQ(pass(), unset);
+  loader.set_epoch(1);
+  const std::vector<std::string> first = pass();
+  EXPECT_NE(first, unset);
+  EXPECT_EQ(pass(), first);
+  EXPECT_EQ(pass(), first);
+}
+
 TEST(TarShardShuffle, BufferShufflesReproduciblyPerLoaderSeed) {
   TempDir dir;
   const std::vector<std::string> paths = write_samples(dir.file("b-"), 40, 5);  // 8 shards

@@ -66,6 +66,7 @@ struct Transfer {
   std::vector<uint8_t> body;
   uint64_t max_bytes = 0;
   bool too_big = false;      // write_body refused more bytes than max_bytes
+  bool error_status = false;  // write_body stopped an error status's body
   int64_t declared = -1;     // a 2xx response's Content-Length when over max_bytes (read_header)
   std::exception_ptr error;  // done with an error
   bool own_error = false;    // this node's (skippable), not upstream's
@@ -94,13 +95,18 @@ size_t keep_slice(Transfer& transfer, const char* data, size_t bytes) {
 }
 
 // CURLOPT_WRITEFUNCTION. Keeps a 2xx body up to max_bytes; a longer one
-// aborts the transfer (returning less than given is CURLE_WRITE_ERROR). The
-// body of an error status is not kept: only its status is reported.
+// aborts the transfer (returning less than given is CURLE_WRITE_ERROR). An
+// error status (4xx, 5xx) aborts at its body's first bytes: only the status
+// is reported, and a server's gigabyte 404 page is not read through.
 size_t write_body(char* data, size_t size, size_t count, void* user) {
   Transfer& transfer = *static_cast<Transfer*>(user);
   const size_t bytes = size * count;
   long status = 0;
   curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
+  if (status >= 400) {
+    transfer.error_status = true;
+    return 0;
+  }
   if (status >= 300) return bytes;
   if (transfer.ranged && status != 206) return keep_slice(transfer, data, bytes);
   if (bytes > transfer.max_bytes - transfer.body.size()) {  // body.size() <= max_bytes always
@@ -364,6 +370,7 @@ class HttpGet final : public Stage<Input, HttpObject> {
   void start(Transfer& transfer) {
     transfer.body.clear();
     transfer.too_big = false;
+    transfer.error_status = false;
     transfer.declared = -1;
     transfer.skip_left = transfer.ranged ? transfer.offset : 0;
     transfer.enough = false;
@@ -484,7 +491,10 @@ class HttpGet final : public Stage<Input, HttpObject> {
     } else if (transfer.ranged && status == 206 && !transfer.content_range.empty() && !transfer.range_answered) {
       why = "the server answered the range " + range_text(transfer) + " with Content-Range '" +
             transfer.content_range + "'";
-    } else if (result == CURLE_OK) {
+    } else if (result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.error_status) ||
+               (result == CURLE_FILESIZE_EXCEEDED && status >= 400)) {
+      // An error status: its body stopped at its first bytes, or refused
+      // for a Content-Length over max_bytes (libcurl checks any response's).
       why = "HTTP " + std::to_string(status);
       retry = status >= 500;
     } else if (transfer.too_big) {

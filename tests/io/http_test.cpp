@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <future>
@@ -682,6 +683,56 @@ TEST(HttpGetScripted, BytesPastAContentLengthDoNotFailTheNextObject) {
   ASSERT_GE(requests.size(), 2u);
   EXPECT_TRUE(requests.back().head.starts_with("GET /second.bin ")) << requests.back().head;
   EXPECT_EQ(requests.back().connection, 2);
+}
+
+// An error status's body is not read through: a server's endless 404 page
+// (chunked, so no length to refuse it by) ends the item at its first bytes,
+// while the server still holds the rest back.
+TEST(HttpGetScripted, AnErrorStatusStopsAtItsBodysFirstBytes) {
+  using conveyor::test::ScriptedServer;
+  std::promise<void> error_seen;
+  std::shared_future<void> seen = error_seen.get_future().share();
+  std::atomic<bool> server_gave_up{false};
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(fd, "HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n1000\r\n" +
+                                     std::string(0x1000, 'x') + "\r\n");
+    if (seen.wait_for(std::chrono::seconds(10)) != std::future_status::ready) server_gave_up = true;
+    return false;
+  });
+  auto pipeline = from_vector(std::vector<std::string>{server.url("/missing.bin")}) | http_get({.retries = 0});
+  auto pass = pipeline.pass();
+  try {
+    (void)pass.next();
+    ADD_FAILURE() << "a 404 gave an object";
+  } catch (const DataError& error) {
+    EXPECT_NE(std::string(error.what()).find("HTTP 404"), std::string::npos) << error.what();
+  }
+  EXPECT_FALSE(server_gave_up) << "the 404's body was read until the server gave up";
+  error_seen.set_value();
+  EXPECT_FALSE(pass.next());
+}
+
+// An error status whose Content-Length is over max_bytes is that status,
+// not "the object is too big".
+TEST(HttpGetScripted, AnErrorStatusOverMaxBytesIsNamedByItsStatus) {
+  using conveyor::test::ScriptedServer;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(fd, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5000\r\n\r\n" +
+                                     std::string(5000, 'x'));
+    return true;
+  });
+  auto pipeline = from_vector(std::vector<std::string>{server.url("/busy.bin")}) |
+                  http_get({.retries = 1, .backoff = milliseconds(1), .max_bytes = 1000});
+  auto pass = pipeline.pass();
+  try {
+    (void)pass.next();
+    ADD_FAILURE() << "a 503 gave an object";
+  } catch (const DataError& error) {
+    const std::string what = error.what();
+    EXPECT_NE(what.find("HTTP 503 (after 2 attempts)"), std::string::npos) << what;
+    EXPECT_EQ(what.find("max_bytes"), std::string::npos) << what;
+  }
+  EXPECT_EQ(server.requests().size(), 2u);  // a 5xx is tried again
 }
 
 #ifdef CONVEYOR_IO_TEST_FORMATS

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,12 @@ void ShardSpec::validate() const {
   if (worker < 0 || worker >= num_workers) {
     throw ValueError("ShardSpec: worker should be in [0, " + std::to_string(num_workers - 1) + "], but got " +
                      std::to_string(worker));
+  }
+  // count() and index() in int64, and a worker's WorkerInfo (id, num_workers) in int.
+  constexpr int64_t kMaxShards = std::numeric_limits<int>::max();
+  if (world_size > kMaxShards / num_workers) {
+    throw ValueError("ShardSpec: world_size x num_workers should be at most " + std::to_string(kMaxShards) +
+                     ", but got " + std::to_string(world_size) + " x " + std::to_string(num_workers));
   }
 }
 

@@ -371,6 +371,21 @@ TEST(Sharding, TheMostUpstreamShardableNodeTakesItsShardAndNoItemIsLostOrRepeate
   EXPECT_THROW(bad.shard(ShardSpec{0, 1, 0, 0}), conveyor::ValueError);
 }
 
+// A shard count past int (a WorkerInfo's) is refused, naming both factors:
+// 2^32 x 2^32 wrapped count() to 0 (a stride of 0, a division by zero).
+TEST(Sharding, AShardCountPastIntIsRefused) {
+  auto source = nodes::from_range(0, 3);
+  try {
+    source.shard(ShardSpec{0, int64_t{1} << 32, 0, int64_t{1} << 32});
+    ADD_FAILURE() << "2^32 x 2^32 shards were taken";
+  } catch (const conveyor::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find("4294967296 x 4294967296"), std::string::npos) << error.what();
+  }
+  EXPECT_THROW(source.shard(ShardSpec{0, (int64_t{1} << 31) + 1, 0, 1}), conveyor::ValueError);
+  source.shard(ShardSpec{0, 65536, 0, 32767});  // 2^31 - 2^16: fits
+  EXPECT_EQ(source.pass().next(), std::optional<int64_t>(0));
+}
+
 // An iterable dataset split by WorkerInfo, as a PyTorch IterableDataset is.
 TEST(Sharding, AnIterableDatasetIsToldItsShardAsItsWorker) {
   conveyor::testing::StridedStream stream(10);

@@ -20,9 +20,11 @@
 #include <cstdint>
 #include <new>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "conveyor/detail/check.h"
+#include "conveyor/errors.h"
 #include "conveyor/transfer.h"
 
 namespace conveyor::detail {
@@ -31,6 +33,7 @@ namespace {
 constexpr size_t kAlignment = 64;
 constexpr size_t kMinClassBytes = 64;
 constexpr size_t kClasses = 48;         // 64 B .. 2^53 B
+constexpr size_t kLargestClassBytes = kMinClassBytes << (kClasses - 1);
 constexpr size_t kControlBytes = 64;    // room for libstdc++'s control block
 
 struct PoolState;
@@ -181,9 +184,14 @@ class RecyclingAllocator final : public BufferAllocator {
   }
 
   std::shared_ptr<std::byte> allocate(size_t bytes) override {
+    // A size from user code (a collate's shape): an error to catch, not a
+    // broken invariant. Checked before the rounding, which would wrap.
+    if (bytes > kLargestClassBytes) {
+      throw RuntimeError("cannot allocate a batch buffer of " + std::to_string(bytes) +
+                         " bytes: the pool's largest is " + std::to_string(kLargestClassBytes));
+    }
     const size_t units = (std::max(bytes, kMinClassBytes) + kMinClassBytes - 1) / kMinClassBytes;
     const auto size_class = static_cast<size_t>(std::bit_width(units - 1));
-    CONVEYOR_CHECK(size_class < kClasses, "a batch buffer beyond any size class");
     Block* block = nullptr;
     if (state_->free_lists[size_class].try_dequeue(block)) {
       state_->free_counts[size_class].fetch_sub(1, std::memory_order_relaxed);

@@ -124,7 +124,14 @@ class ChainDataset final : public IterableDataset<T> {
         [datasets = datasets_, worker, which = size_t{0},
          current = std::unique_ptr<SampleIterator<T>>()]() mutable -> std::optional<T> {
           while (which < datasets.size()) {
-            if (!current) current = datasets[which]->iter(worker);
+            if (!current) {
+              current = datasets[which]->iter(worker);
+              if (!current) {  // reported once; the chain goes on with the next part
+                ++which;
+                throw TypeError("ChainDataset: part " + std::to_string(which - 1) +
+                                "'s iter() returned no iterator (nullptr)");
+              }
+            }
             if (std::optional<T> sample = current->next()) return sample;
             current.reset();
             ++which;

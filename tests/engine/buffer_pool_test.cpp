@@ -33,6 +33,22 @@ TEST(BufferPool, ARecycledBufferIsReusedForItsSizeClass) {
   EXPECT_EQ(pool->allocate(1024).get(), first);
 }
 
+// A size from a collate's shape is user input: beyond the largest class
+// (or wrapping the rounding) it is an error naming it, not an abort.
+TEST(BufferPool, ARequestBeyondEverySizeClassThrowsNamingItsSize) {
+  auto pool = make_recycling_allocator(2);
+  for (const size_t bytes : {size_t{1} << 55, SIZE_MAX}) {
+    try {
+      (void)pool->allocate(bytes);
+      ADD_FAILURE() << bytes << " bytes were handed out";
+    } catch (const conveyor::RuntimeError& error) {
+      EXPECT_NE(std::string(error.what()).find(std::to_string(bytes) + " bytes"), std::string::npos) << error.what();
+    }
+  }
+  EXPECT_EQ(pool_stats(*pool).in_use_bytes, 0u);
+  EXPECT_NE(pool->allocate(100), nullptr);  // the pool goes on
+}
+
 TEST(BufferPool, KeepsNoMoreIdleThanWasEverInUseWhateverTheSizes) {
   // A pool capped only per size class kept up to the cap in every class a
   // batch ever touched: many classes, many times what the loader needed.

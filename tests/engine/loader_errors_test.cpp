@@ -384,6 +384,86 @@ TEST(IterableErrors, WithoutWorkersIterThrowsAWorkerErrorFromNextNotFromIter) {
   EXPECT_FALSE(epoch->next().has_value());
 }
 
+// Worker 1 (or, without workers, the consumer's thread) has no shard and
+// returns no iterator at all: a TypeError for that worker, once, in its
+// place, as PyTorch's "iter() returned non-iterator"; the others go on.
+struct NoIteratorForWorker1 final : conveyor::IterableDataset<int64_t> {
+  std::unique_ptr<conveyor::SampleIterator<int64_t>> iter(const conveyor::WorkerInfo* worker) override {
+    if (!worker || worker->id == 1) return nullptr;
+    return conveyor::make_sample_iterator<int64_t>([next = int64_t{0}]() mutable -> std::optional<int64_t> {
+      if (next == 3) return std::nullopt;
+      return next++;
+    });
+  }
+};
+
+TEST(IterableErrors, AnIterThatReturnsNoIteratorFailsThatWorkerOnce) {
+  NoIteratorForWorker1 dataset;
+  conveyor::DataLoader loader(dataset, {.batch_size = 2, .num_workers = 2});
+  for (int epoch_number = 0; epoch_number < 2; ++epoch_number) {
+    auto epoch = loader.iter();
+    EXPECT_EQ(walk(epoch), (std::vector<std::string>{"0", "worker-error:iter@1", "2"}));
+  }
+  conveyor::DataLoader alone(dataset, {.batch_size = 2});
+  auto epoch = alone.iter();
+  try {
+    (void)epoch.next();
+    ADD_FAILURE() << "no error";
+  } catch (const conveyor::WorkerError& error) {
+    EXPECT_EQ(error.context().stage, "iter");
+    EXPECT_NE(std::string(error.what()).find("iter() returned no iterator"), std::string::npos) << error.what();
+  }
+  EXPECT_FALSE(epoch.next().has_value());
+}
+
+// A ChainDataset part that returns no iterator is reported once; the chain
+// goes on with the next part.
+TEST(IterableErrors, AChainPartThatReturnsNoIteratorIsReportedOnceAndSkipped) {
+  auto parts = std::vector<std::shared_ptr<conveyor::IterableDataset<int64_t>>>{
+      std::make_shared<NoIteratorForWorker1>(), std::make_shared<BrokenReplica>(/*broken=*/-2, /*per_worker=*/2)};
+  conveyor::ChainDataset<int64_t> chain(parts);
+  conveyor::DataLoader loader(chain, {.batch_size = 1});
+  auto epoch = loader.iter();
+  // Without workers the first part has no iterator: its error, then the second part's 0, 1.
+  EXPECT_EQ(walk(epoch), (std::vector<std::string>{"worker-error:iterate@-1", "0", "1"}));
+}
+
+// A collate that asks for more than any buffer can be (a shape read from a
+// corrupt header): an error in that batch's place, with and without
+// workers, not an abort of the process.
+struct HugeCollate final : conveyor::Dataset<int64_t> {
+  size_t size() const override { return 6; }
+  int64_t get(size_t i) override { return static_cast<int64_t>(i); }
+};
+
+TEST(MapErrors, ACollateBeyondAnyBufferIsAWorkerErrorInItsPlace) {
+  for (int workers : {0, 2}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers");
+    HugeCollate dataset;
+    auto collate = [](std::vector<int64_t> samples) {
+      if (samples.front() == 2) return conveyor::Array<uint8_t>({int64_t{1} << 55});
+      conveyor::Array<uint8_t> out({static_cast<int64_t>(samples.size())});
+      for (size_t i = 0; i < samples.size(); ++i) out.data()[i] = static_cast<uint8_t>(samples[i]);
+      return out;
+    };
+    conveyor::DataLoader loader(dataset, {.batch_size = 2, .num_workers = workers}, collate);
+    auto epoch = loader.iter();
+    std::vector<std::string> events;
+    while (true) {
+      try {
+        auto batch = epoch.next();
+        if (!batch) break;
+        events.push_back(std::to_string(batch->data()[0]));
+      } catch (const conveyor::WorkerError& error) {
+        events.push_back("error");
+        EXPECT_EQ(error.context().stage, "collate");
+        EXPECT_NE(std::string(error.what()).find("36028797018963968 bytes"), std::string::npos) << error.what();
+      }
+    }
+    EXPECT_EQ(events, (std::vector<std::string>{"0", "error", "4"}));
+  }
+}
+
 // get_batch that returns one sample too many or too few.
 struct MiscountingBatches final : conveyor::Dataset<int64_t> {
   explicit MiscountingBatches(int delta) : delta(delta) {}

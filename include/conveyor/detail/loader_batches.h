@@ -255,6 +255,11 @@ class BatchWork {
         // No worker info in the consumer's thread, even inside another
         // loader's worker.
         replica.iterator = core_.dataset->iter(worker < 0 ? nullptr : get_worker_info());
+        if (!replica.iterator) {  // as a failed iter(): reported once, then exhausted
+          throw TypeError("iter() returned no iterator (nullptr)" +
+                          (worker < 0 ? std::string() : " for worker " + std::to_string(worker)) +
+                          "; a worker with nothing to read returns an empty iterator");
+        }
         replica.exhausted = false;
         replica.next_ordinal = 0;
         out.end_of_replica = false;

@@ -2,11 +2,17 @@
 //
 //   take(n)       the first n items of each pass
 //   repeat(k)     upstream k times over in one pass (each time a new
-//                 sub-pass: shuffles and augmentations differ); repeat()
-//                 for ever (torchdata's Cycler)
+//                 sub-pass: shuffles and augmentations differ; a round with
+//                 nothing in it is just empty); repeat() for ever
+//                 (torchdata's Cycler), whose pass ends at a round with no
+//                 item in it (errors alone included), or it would spin
 //   cache()       the first complete pass is kept in memory and replayed by
 //                 later passes without touching upstream (a pass left early
-//                 keeps nothing: the next one reads upstream again). A
+//                 keeps nothing: the next one reads upstream again). What
+//                 it keeps is its shard's: a pass under another shard
+//                 fills it again. Epochs and seeds do not: a replay is the
+//                 filling pass's items, whatever the pass (repeat's rounds
+//                 each have a seed of their own). A
 //                 parallel map or prefetch after it reads ahead of the
 //                 consumer, so a pass the consumer leaves early (take, zip)
 //                 may complete the cache with that node and not without it:
@@ -70,6 +76,10 @@ class Repeat final : public MeteredNode<T> {
     round_seen_.store(0, std::memory_order_relaxed);  // relaxed: inside a change (see save_extras)
     empty_round_ = true;
     set_previous(nullptr);
+    {
+      std::lock_guard lock(rounds_mutex_);
+      finished_rounds_.clear();
+    }
     // What a state saved for upstream nodes is of the round it was in (and
     // of the one before it): given to those rounds only (start_round).
     std::shared_ptr<const State> restoring = std::exchange(walk.restoring, nullptr);
@@ -92,11 +102,11 @@ class Repeat final : public MeteredNode<T> {
     }
     end_change(version);
   }
-  // Round by round, as produce() goes. A round that gave only errors ends
-  // the pass as an empty one does (produce() saw no item in it), but a
-  // skip counts errors as outputs: where errors may be among them, the
-  // outputs are pulled as produce() pulls them (upstream's skip() may not
-  // follow a next() in a round, so the whole way).
+  // Round by round, as produce() goes. For repeat() for ever, a round that
+  // gave only errors ends the pass as an empty one does (produce() saw no
+  // item in it), but a skip counts errors as outputs: where errors may be
+  // among them, the outputs are pulled as produce() pulls them (upstream's
+  // skip() may not follow a next() in a round, so the whole way).
   uint64_t skip(uint64_t count, bool clean) override {
     skipping_ = true;
     const struct Done {
@@ -112,7 +122,7 @@ class Repeat final : public MeteredNode<T> {
         skipped += n;
         if (n > 0) empty_round_ = false;
         if (skipped == count) break;
-        if (empty_round_) break;  // nothing in a whole round: the end
+        if (ends_pass()) break;  // nothing in a whole round of repeat(): the end
         if (!next_round()) break;
       }
     }
@@ -159,8 +169,7 @@ class Repeat final : public MeteredNode<T> {
         empty_round_ = false;
         return item;
       }
-      // An upstream with nothing in it would make repeat() spin for ever.
-      if (empty_round_) return std::nullopt;
+      if (ends_pass()) return std::nullopt;
       if (!next_round()) break;
     }
     return std::nullopt;
@@ -172,10 +181,34 @@ class Repeat final : public MeteredNode<T> {
   static constexpr uint64_t kForever = std::numeric_limits<uint64_t>::max();
 
  private:
+  // Upstream's counts and times over the pass: each round's reset starts
+  // its nodes' meters over, so the rounds before this one are added in.
+  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
+    const size_t first = out.size();
+    std::lock_guard lock(rounds_mutex_);
+    upstream_->collect_metrics(out);
+    add_metrics(out, first, finished_rounds_);
+  }
+  // Adds `rounds` (one entry per upstream node, sources first) to out[first...].
+  static void add_metrics(std::vector<NodeMetrics>& out, size_t first, const std::vector<NodeMetrics>& rounds) {
+    for (size_t i = 0; i < rounds.size() && first + i < out.size(); ++i) {
+      NodeMetrics& into = out[first + i];
+      into.items_in += rounds[i].items_in;
+      into.items_out += rounds[i].items_out;
+      into.skipped += rounds[i].skipped;
+      into.busy_seconds += rounds[i].busy_seconds;
+      into.upstream_wait_seconds += rounds[i].upstream_wait_seconds;
+      into.downstream_wait_seconds += rounds[i].downstream_wait_seconds;
+    }
+  }
+
+  // The round just finished had no item: the end of a repeat() for ever's
+  // pass (an upstream with nothing in it would make it spin for ever). A
+  // finite repeat goes through all its rounds, an empty one being empty.
+  bool ends_pass() const noexcept { return times_ == kForever && empty_round_; }
+
   // Round r of pass p runs upstream as its own pass: epoch r, a seed drawn
   // from p's.
-  void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override { upstream_->collect_metrics(out); }
-
   PassContext round_pass(uint64_t round) const {
     PassContext sub = pass_;
     // Position ~0: never an item's, so no upstream node's item seed.
@@ -206,7 +239,19 @@ class Repeat final : public MeteredNode<T> {
     set_previous(std::make_shared<const State>(std::move(finished)));
     ++round_;
     empty_round_ = true;
-    start_round(round_);
+    {
+      // The finished round's metrics are kept before its reset clears them,
+      // and a metrics() reader sees them either there or here, not both.
+      std::lock_guard lock(rounds_mutex_);
+      std::vector<NodeMetrics> finished;
+      upstream_->collect_metrics(finished);
+      if (finished_rounds_.empty()) {
+        finished_rounds_ = std::move(finished);
+      } else {
+        add_metrics(finished_rounds_, 0, finished);
+      }
+      start_round(round_);
+    }
     end_change(version);
     return true;
   }
@@ -277,6 +322,10 @@ class Repeat final : public MeteredNode<T> {
   }
   mutable std::mutex previous_mutex_;
   std::shared_ptr<const State> previous_;
+  // Upstream's metrics summed over the pass's finished rounds; written where
+  // the node runs, read by metrics() on the consumer's thread.
+  mutable std::mutex rounds_mutex_;
+  std::vector<NodeMetrics> finished_rounds_;
 };
 
 inline auto repeat(uint64_t times = Repeat<int>::kForever) {
@@ -294,6 +343,14 @@ class Cache final : public MeteredNode<T> {
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     position_ = 0;
     const uint64_t first_upstream_id = walk.next_id;
+    // What the cache holds is another shard's, or not what the state being
+    // restored had (its pass was the filling one, or another pass filled
+    // it): dropped, the pass goes on as it would in a new pipeline. A
+    // restart within the pass (a shuffle's) keeps what the pass began with.
+    if (complete_ && (!same_shard(filling_pass_.shard, pass.shard) ||
+                      (walk.restoring && !walk.restart && !holds_as_saved(walk)))) {
+      drop();
+    }
     // A resumed pipeline whose saved cache was complete fills it as the pass
     // that filled it did, then replays it.
     if (!complete_ && walk.restoring) fill_as_saved(pass, walk);
@@ -344,10 +401,11 @@ class Cache final : public MeteredNode<T> {
     position_ += static_cast<size_t>(skipped);
     return skipped;
   }
-  // A complete cache says which pass filled it and what upstream decided in
-  // it: a new process resuming after that pass fills it the same way. In a
-  // pass, as of its reset: a state of the filling pass resumes it item by
-  // item (its failed items count; the cache holds none of them).
+  // A complete cache says which pass filled it (its epoch, seed and shard)
+  // and what upstream decided in it: a new process resuming after that pass
+  // fills it the same way. In a pass, as of its reset: a state of the
+  // filling pass (nothing saved here) resumes it item by item (its failed
+  // items count; the cache holds none of them), in this pipeline too.
   void save_extras(State& nodes, bool in_pass) const override {
     std::shared_ptr<const Filled> filled;
     {
@@ -358,6 +416,7 @@ class Cache final : public MeteredNode<T> {
       State mine = State::object();
       mine.set("filled_in_epoch", filled->pass.epoch);
       mine.set("filled_with_seed", filled->pass.seed);
+      mine.set("filled_in_shard", shard_state(filled->pass.shard));
       if (filled->upstream) mine.set("upstream_at_fill", *filled->upstream);
       nodes.set(std::to_string(this->id_), std::move(mine));
     }
@@ -374,6 +433,10 @@ class Cache final : public MeteredNode<T> {
     upstream_->reset(pass, probe);
     const State* saved = conveyor::detail::restored_extras(walk, probe.next_id);
     if (!saved) return;
+    // Filled under another shard (the state was taken between passes, after
+    // a re-shard): the live pipeline's next pass fills it again, so does this.
+    const State* shard = saved->find("filled_in_shard");
+    if (shard && *shard != shard_state(pass.shard)) return;
     PassContext filling = pass;
     filling.epoch = saved->uint_at("filled_in_epoch");
     filling.seed = saved->uint_at("filled_with_seed");
@@ -400,6 +463,42 @@ class Cache final : public MeteredNode<T> {
     filling_pass_ = filling;
     complete_ = true;
     publish_filled();
+  }
+  // Does the complete cache hold what the state `walk` restores says it
+  // held: the same filling pass (epoch, seed, shard), with upstream
+  // deciding alike? Nothing saved for this node: the state's pass filled
+  // the cache (or nothing had filled it), so this one must fill it again.
+  bool holds_as_saved(const conveyor::detail::ResetWalk& walk) const {
+    // This node's id, as a replay takes it (upstream's ids come first).
+    const State* saved = conveyor::detail::restored_extras(walk, walk.next_id + upstream_ids_);
+    if (!saved) return false;
+    if (saved->uint_at("filled_in_epoch") != filling_pass_.epoch) return false;
+    if (saved->uint_at("filled_with_seed") != filling_pass_.seed) return false;
+    const State* shard = saved->find("filled_in_shard");  // absent in older states
+    if (shard && *shard != shard_state(filling_pass_.shard)) return false;
+    const State* upstream = saved->find("upstream_at_fill");
+    if (!upstream || !upstream_at_fill_) return !upstream && !upstream_at_fill_;
+    return *upstream == *upstream_at_fill_;
+  }
+  // Forgets what the cache holds: this pass fills it again.
+  void drop() {
+    complete_ = false;
+    filling_.clear();
+    upstream_at_fill_ = nullptr;
+    std::lock_guard lock(filled_mutex_);
+    filled_ = nullptr;
+  }
+  static bool same_shard(const ShardSpec& a, const ShardSpec& b) noexcept {
+    return a.rank == b.rank && a.world_size == b.world_size && a.worker == b.worker &&
+           a.num_workers == b.num_workers;
+  }
+  static State shard_state(const ShardSpec& shard) {
+    State out = State::object();
+    out.set("rank", shard.rank);
+    out.set("world_size", shard.world_size);
+    out.set("worker", shard.worker);
+    out.set("num_workers", shard.num_workers);
+    return out;
   }
   // Where the cache completes, which may be a strand's thread.
   void publish_filled() {

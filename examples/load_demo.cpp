@@ -3,11 +3,14 @@
 //   load_demo [--samples N] [--batch-size B] [--epochs E] [--seed S]
 #include <conveyor/conveyor.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
+#include <vector>
+
+#include "flags.h"
 
 namespace {
 
@@ -33,50 +36,89 @@ class SyntheticImages final : public conveyor::Dataset<Image> {
   size_t n_;
 };
 
-long flag(int argc, char** argv, const char* name, long fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) {
-      char* end = nullptr;
-      const long value = std::strtol(argv[i + 1], &end, 10);
-      if (*end != '\0' || value < 0) {
-        std::fprintf(stderr, "load_demo: %s needs a non-negative integer, got '%s'\n", name, argv[i + 1]);
-        std::exit(2);
+struct Flags {
+  size_t samples = 20000;
+  int64_t batch_size = 64;
+  int64_t epochs = 2;
+  uint64_t seed = 0;
+};
+
+[[noreturn]] void usage(const std::string& problem) {
+  std::fprintf(stderr,
+               "load_demo: %s\nusage: load_demo [--samples N] [--batch-size B] [--epochs E] [--seed S]\n",
+               problem.c_str());
+  std::exit(2);
+}
+
+Flags parse(int argc, char** argv) {
+  using conveyor::examples::integer_flag;
+  Flags flags;
+  try {  // integer_flag throws FlagError
+    for (int i = 1; i < argc; ++i) {
+      const std::string name = argv[i];
+      if (name == "--help" || name == "-h") usage("a shuffled, batched loader over synthetic images");
+      if (i + 1 >= argc) usage(name + " needs a value");
+      const char* value = argv[++i];
+      if (name == "--samples") {
+        flags.samples = integer_flag<size_t>(name, value, 0);
+      } else if (name == "--batch-size") {
+        flags.batch_size = integer_flag<int64_t>(name, value, 1);
+      } else if (name == "--epochs") {
+        flags.epochs = integer_flag<int64_t>(name, value, 0);
+      } else if (name == "--seed") {
+        flags.seed = integer_flag<uint64_t>(name, value, 0);
+      } else {
+        usage("unknown flag " + name);
       }
-      return value;
     }
+  } catch (const conveyor::examples::FlagError& e) {
+    usage(e.what());
   }
-  return fallback;
+  return flags;
+}
+
+// "[64, 3, 32, 32]"
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const auto samples = static_cast<size_t>(flag(argc, argv, "--samples", 20000));
-  const long batch_size = flag(argc, argv, "--batch-size", 64);
-  const long epochs = flag(argc, argv, "--epochs", 2);
-  const auto seed = static_cast<uint64_t>(flag(argc, argv, "--seed", 0));
-
-  SyntheticImages dataset(samples);
-  conveyor::DataLoader loader(dataset, {.batch_size = batch_size, .shuffle = true, .seed = seed});
-  std::printf("load_demo: %zu samples, batch %ld, %zu batches per epoch\n", samples, batch_size,
-              loader.size());
-  for (long epoch = 0; epoch < epochs; ++epoch) {
-    loader.set_epoch(static_cast<uint64_t>(epoch));
-    const auto start = std::chrono::steady_clock::now();
-    size_t batches = 0, seen = 0;
-    int64_t label_sum = 0;
-    std::vector<int64_t> first_labels;
-    for (auto& [pixels, labels] : loader) {
-      ++batches;
-      seen += static_cast<size_t>(pixels.shape()[0]);
-      for (int64_t label : labels.values()) label_sum += label;
-      if (first_labels.empty()) first_labels.assign(labels.values().begin(), labels.values().begin() + 8);
+  const Flags flags = parse(argc, argv);
+  try {
+    SyntheticImages dataset(flags.samples);
+    conveyor::DataLoader loader(dataset, {.batch_size = flags.batch_size, .shuffle = true, .seed = flags.seed});
+    std::printf("load_demo: %zu samples, batch %lld, %zu batches per epoch\n", flags.samples,
+                static_cast<long long>(flags.batch_size), loader.size());
+    for (int64_t epoch = 0; epoch < flags.epochs; ++epoch) {
+      loader.set_epoch(static_cast<uint64_t>(epoch));
+      const auto start = std::chrono::steady_clock::now();
+      size_t batches = 0, seen = 0;
+      int64_t label_sum = 0;
+      std::vector<int64_t> first_shape, first_labels;  // of the first batch: up to 8 labels
+      for (auto& [pixels, labels] : loader) {
+        if (batches == 0) {
+          first_shape = pixels.shape();
+          const auto first = labels.values().first(std::min<size_t>(8, labels.numel()));
+          first_labels.assign(first.begin(), first.end());
+        }
+        ++batches;
+        seen += static_cast<size_t>(pixels.shape()[0]);
+        for (int64_t label : labels.values()) label_sum += label;
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::printf("epoch %lld: %zu batches, %zu samples, images %s, label sum %lld, first labels",
+                  static_cast<long long>(epoch), batches, seen, shape_text(first_shape).c_str(),
+                  static_cast<long long>(label_sum));
+      for (int64_t l : first_labels) std::printf(" %lld", static_cast<long long>(l));
+      std::printf(", %.0f samples/s\n", static_cast<double>(seen) / seconds);
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("epoch %ld: %zu batches, %zu samples, images [%ld, 3, 32, 32], label sum %ld, "
-                "first labels", epoch, batches, seen, batch_size, static_cast<long>(label_sum));
-    for (int64_t l : first_labels) std::printf(" %ld", static_cast<long>(l));
-    std::printf(", %.0f samples/s\n", static_cast<double>(seen) / seconds);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "load_demo: %s\n", e.what());
+    return 1;
   }
   return 0;
 }

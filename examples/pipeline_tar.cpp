@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "flags.h"
+
 namespace nodes = conveyor::nodes;
 
 namespace {
@@ -36,52 +38,71 @@ struct Sample {
   std::exit(2);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+struct Flags {
   std::string shards;
-  int epochs = 1, workers = 2;
+  int epochs = 1;
+  int workers = 2;
   uint64_t seed = 0;
   conveyor::ShardSpec spec;
   bool metrics = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--metrics") {
-      metrics = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage(flag + " needs a value");
-    const char* value = argv[++i];
-    if (flag == "--shards") {
-      shards = value;
-    } else if (flag == "--epochs") {
-      epochs = std::atoi(value);
-    } else if (flag == "--workers") {
-      workers = std::atoi(value);
-    } else if (flag == "--seed") {
-      seed = std::strtoull(value, nullptr, 10);
-    } else if (flag == "--rank") {
-      spec.rank = std::atoll(value);
-    } else if (flag == "--world") {
-      spec.world_size = std::atoll(value);
-    } else {
-      usage("unknown flag " + flag);
-    }
-  }
-  if (shards.empty()) usage("--shards is required");
+};
 
-  const auto augment = conveyor::compose(conveyor::RandomCrop{28, 2}, conveyor::RandomHorizontalFlip{0.5},
-                                         conveyor::ToFloat{}, conveyor::Normalize{{0.2860f}, {0.3530f}});
-  auto decode = [&augment](conveyor::ShardSample&& sample) {
-    conveyor::LabeledImage image = conveyor::decode_class_sample(sample, {.channels = 1, .num_classes = 10});
-    return Sample{augment(image.image), image.label};  // the crop and flip draw from the item's seed
-  };
+Flags parse(int argc, char** argv) {
+  using conveyor::examples::integer_flag;
+  Flags flags;
+  try {  // integer_flag throws FlagError
+    for (int i = 1; i < argc; ++i) {
+      const std::string flag = argv[i];
+      if (flag == "--metrics") {
+        flags.metrics = true;
+        continue;
+      }
+      if (i + 1 >= argc) usage(flag + " needs a value");
+      const char* value = argv[++i];
+      if (flag == "--shards") {
+        flags.shards = value;
+      } else if (flag == "--epochs") {
+        flags.epochs = integer_flag<int>(flag, value, 1);
+      } else if (flag == "--workers") {
+        flags.workers = integer_flag<int>(flag, value, 0);
+      } else if (flag == "--seed") {
+        flags.seed = integer_flag<uint64_t>(flag, value, 0);
+      } else if (flag == "--rank") {
+        flags.spec.rank = integer_flag<int64_t>(flag, value, 0);
+      } else if (flag == "--world") {
+        flags.spec.world_size = integer_flag<int64_t>(flag, value, 1);
+      } else {
+        usage("unknown flag " + flag);
+      }
+    }
+  } catch (const conveyor::examples::FlagError& e) {
+    usage(e.what());
+  }
+  if (flags.shards.empty()) usage("--shards is required");
+  if (flags.spec.rank >= flags.spec.world_size) {
+    usage("--rank " + std::to_string(flags.spec.rank) + " is not below --world " +
+          std::to_string(flags.spec.world_size));
+  }
+  return flags;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = parse(argc, argv);
   try {
-    auto pipeline = nodes::list_files(shards, "*.tar") | nodes::shard() | nodes::read_files() | nodes::untar() |
-                    nodes::group_by_key() | nodes::map(decode, {.workers = workers}) | nodes::shuffle(1000) |
-                    nodes::batch(64) | nodes::collate() | nodes::prefetch(2);
-    pipeline.seed(seed).shard(spec).timed(metrics);
-    for (int epoch = 0; epoch < epochs; ++epoch) {
+    const auto augment = conveyor::compose(conveyor::RandomCrop{28, 2}, conveyor::RandomHorizontalFlip{0.5},
+                                           conveyor::ToFloat{}, conveyor::Normalize{{0.2860f}, {0.3530f}});
+    auto decode = [&augment](conveyor::ShardSample&& sample) {
+      conveyor::LabeledImage image =
+          conveyor::decode_class_sample(sample, {.channels = 1, .num_classes = 10});
+      return Sample{augment(image.image), image.label};  // the crop and flip draw from the item's seed
+    };
+    auto pipeline = nodes::list_files(flags.shards, "*.tar") | nodes::shard() | nodes::read_files() |
+                    nodes::untar() | nodes::group_by_key() | nodes::map(decode, {.workers = flags.workers}) |
+                    nodes::shuffle(1000) | nodes::batch(64) | nodes::collate() | nodes::prefetch(2);
+    pipeline.seed(flags.seed).shard(flags.spec).timed(flags.metrics);
+    for (int epoch = 0; epoch < flags.epochs; ++epoch) {
       size_t batches = 0, samples = 0;
       std::array<size_t, 10> histogram{};
       std::string first;
@@ -97,7 +118,7 @@ int main(int argc, char** argv) {
       for (size_t count : histogram) std::printf(" %zu", count);
       std::printf("; first batch starts %s\n", first.c_str());
       // On stderr: timings differ run to run, the items do not.
-      if (metrics) std::fprintf(stderr, "%s", conveyor::metrics_table(pipeline.metrics()).c_str());
+      if (flags.metrics) std::fprintf(stderr, "%s", conveyor::metrics_table(pipeline.metrics()).c_str());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pipeline_tar: %s\n", e.what());

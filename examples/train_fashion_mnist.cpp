@@ -68,6 +68,7 @@
 #include <utility>
 #include <vector>
 
+#include "flags.h"
 #include "shard_writing.h"
 #include "trainer_checkpoint.h"
 
@@ -108,79 +109,77 @@ struct Flags {
   std::exit(2);
 }
 
-int64_t integer_flag(const std::string& name, const char* text, int64_t minimum) {
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  if (*text == '\0' || *end != '\0' || value < minimum) {
-    usage(name + " needs an integer >= " + std::to_string(minimum) + ", got '" + text + "'");
-  }
-  return value;
-}
-
 Flags parse(int argc, char** argv) {
+  using conveyor::examples::integer_flag;
   Flags flags;
-  for (int i = 1; i < argc; ++i) {
-    const std::string name = argv[i];
-    if (name == "--help" || name == "-h") usage("train a CNN on Fashion-MNIST through conveyor");
-    if (name == "--loader-only") {
-      flags.loader_only = true;
-      continue;
-    }
-    if (name == "--pin-memory") {
-      flags.pin_memory = true;
-      continue;
-    }
-    if (name == "--distributed") {
-      flags.distributed = true;
-      continue;
-    }
-    if (name == "--auto-resume") {
-      flags.auto_resume = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage(name + " needs a value");
-    const char* value = argv[++i];
-    if (name == "--epochs") {
-      flags.epochs = static_cast<int>(integer_flag(name, value, 1));
-    } else if (name == "--workers") {
-      flags.workers = static_cast<int>(integer_flag(name, value, 0));
-    } else if (name == "--batch-size") {
-      flags.batch_size = integer_flag(name, value, 1);
-    } else if (name == "--seed") {
-      flags.seed = static_cast<uint64_t>(integer_flag(name, value, 0));
-    } else if (name == "--threads") {
-      flags.threads = static_cast<int>(integer_flag(name, value, 0));
-    } else if (name == "--limit") {
-      flags.limit = integer_flag(name, value, 0);
-    } else if (name == "--source") {
-      flags.source = value;
-      if (flags.source != "idx" && flags.source != "shards") usage("--source is idx or shards, not '" + flags.source + "'");
-    } else if (name == "--data") {
-      flags.data = value;
-    } else if (name == "--shards") {
-      flags.shards = value;
-    } else if (name == "--scheduling") {
-      const std::string mode = value;
-      if (mode == "work_stealing") {
-        flags.scheduling = conveyor::Scheduling::work_stealing;
-      } else if (mode == "round_robin") {
-        flags.scheduling = conveyor::Scheduling::round_robin;
-      } else {
-        usage("--scheduling is work_stealing or round_robin, not '" + mode + "'");
+  try {  // integer_flag throws FlagError
+    for (int i = 1; i < argc; ++i) {
+      const std::string name = argv[i];
+      if (name == "--help" || name == "-h") usage("train a CNN on Fashion-MNIST through conveyor");
+      if (name == "--loader-only") {
+        flags.loader_only = true;
+        continue;
       }
-    } else if (name == "--checkpoint") {
-      flags.checkpoint = value;
-    } else if (name == "--checkpoint-every") {
-      flags.checkpoint_every = integer_flag(name, value, 1);
-    } else if (name == "--resume") {
-      flags.resume = value;
-    } else if (name == "--lr") {
-      char* end = nullptr;
-      flags.lr = std::strtod(value, &end);
-      if (*end != '\0' || !(flags.lr > 0)) usage(std::string("--lr needs a positive number, got '") + value + "'");
-    } else {
-      usage("unknown flag " + name);
+      if (name == "--pin-memory") {
+        flags.pin_memory = true;
+        continue;
+      }
+      if (name == "--distributed") {
+        flags.distributed = true;
+        continue;
+      }
+      if (name == "--auto-resume") {
+        flags.auto_resume = true;
+        continue;
+      }
+      if (i + 1 >= argc) usage(name + " needs a value");
+      const char* value = argv[++i];
+      if (name == "--epochs") {
+        flags.epochs = integer_flag<int>(name, value, 1);
+      } else if (name == "--workers") {
+        flags.workers = integer_flag<int>(name, value, 0);
+      } else if (name == "--batch-size") {
+        flags.batch_size = integer_flag<int64_t>(name, value, 1);
+      } else if (name == "--seed") {
+        flags.seed = integer_flag<uint64_t>(name, value, 0);
+      } else if (name == "--threads") {
+        flags.threads = integer_flag<int>(name, value, 0);
+      } else if (name == "--limit") {
+        flags.limit = integer_flag<int64_t>(name, value, 0);
+      } else if (name == "--source") {
+        flags.source = value;
+        if (flags.source != "idx" && flags.source != "shards") usage("--source is idx or shards, not '" + flags.source + "'");
+      } else if (name == "--data") {
+        flags.data = value;
+      } else if (name == "--shards") {
+        flags.shards = value;
+      } else if (name == "--scheduling") {
+        const std::string mode = value;
+        if (mode == "work_stealing") {
+          flags.scheduling = conveyor::Scheduling::work_stealing;
+        } else if (mode == "round_robin") {
+          flags.scheduling = conveyor::Scheduling::round_robin;
+        } else {
+          usage("--scheduling is work_stealing or round_robin, not '" + mode + "'");
+        }
+      } else if (name == "--checkpoint") {
+        flags.checkpoint = value;
+      } else if (name == "--checkpoint-every") {
+        flags.checkpoint_every = integer_flag<int64_t>(name, value, 1);
+      } else if (name == "--resume") {
+        flags.resume = value;
+      } else if (name == "--lr") {
+        char* end = nullptr;
+        flags.lr = std::strtod(value, &end);
+        if (*value == '\0' || *end != '\0' || !(flags.lr > 0) || !std::isfinite(flags.lr)) {
+          usage(std::string("--lr needs a positive number, got '") + value + "'");
+        }
+      } else {
+        usage("unknown flag " + name);
+      }
     }
+  } catch (const conveyor::examples::FlagError& e) {
+    usage(e.what());
   }
   if (flags.checkpoint_every > 0 && flags.checkpoint.empty()) usage("--checkpoint-every needs --checkpoint DIR");
   if (!flags.checkpoint.empty() && flags.checkpoint_every == 0) flags.checkpoint_every = 100;

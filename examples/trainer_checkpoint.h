@@ -26,8 +26,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
+
+#include "flags.h"
 
 namespace conveyor::examples {
 
@@ -44,6 +47,20 @@ inline void fsync_path(const std::string& path, bool directory) {
 inline uint64_t env_step(const char* name) {
   const char* text = std::getenv(name);
   return text ? std::strtoull(text, nullptr, 10) : 0;
+}
+
+// Runs load(path of `file`); LibTorch's errors (a truncated or corrupt .pt,
+// a generator state of the wrong size) come back as a StateError naming the
+// file, without LibTorch's stack trace.
+template <class Load>
+void load_part(const std::filesystem::path& file, Load&& load) {
+  try {
+    load(file.string());
+  } catch (const c10::Error& e) {
+    throw conveyor::StateError("checkpoint: cannot load " + file.string() + ": " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw conveyor::StateError("checkpoint: cannot load " + file.string() + ": " + e.what());
+  }
 }
 }  // namespace checkpoint_detail
 
@@ -101,14 +118,20 @@ inline std::optional<uint64_t> latest_checkpoint_step(const std::string& dir) {
   namespace fs = std::filesystem;
   if (!fs::exists(fs::path(dir) / "latest")) return std::nullopt;
   const std::string name = conveyor::load_state_file((fs::path(dir) / "latest").string()).string_at("checkpoint");
-  if (!name.starts_with("step-") || name.find('/') != std::string::npos) {
+  // "step-" and digits alone, that fit a uint64_t: "step-2x" is not step 2.
+  std::optional<uint64_t> step;
+  if (name.starts_with("step-")) {
+    step = parse_integer<uint64_t>(name.c_str() + 5, 0, std::numeric_limits<uint64_t>::max());
+  }
+  if (!step) {
     throw conveyor::StateError("checkpoint: " + dir + "/latest names '" + name + "', not a checkpoint of this trainer");
   }
-  return std::strtoull(name.c_str() + 5, nullptr, 10);
+  return step;
 }
 
 // Loads checkpoint `step` of `dir` into `net`, `optimizer` and LibTorch's
-// generator; returns its trainer.json.
+// generator; returns its trainer.json. A missing, truncated or corrupt file
+// of it is a StateError naming that file.
 template <class Net, class Optimizer>
 conveyor::State load_checkpoint(const std::string& dir, uint64_t step, Net& net, Optimizer& optimizer) {
   namespace fs = std::filesystem;
@@ -118,12 +141,15 @@ conveyor::State load_checkpoint(const std::string& dir, uint64_t step, Net& net,
   if (!fs::is_directory(checkpoint)) {
     throw conveyor::StateError("checkpoint: " + checkpoint.string() + " is missing");
   }
-  torch::load(net, (checkpoint / "model.pt").string());
-  torch::load(optimizer, (checkpoint / "optimizer.pt").string());
-  torch::Tensor rng;
-  torch::load(rng, (checkpoint / "rng.pt").string());
-  at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the default
-  generator.set_state(rng);
+  using checkpoint_detail::load_part;
+  load_part(checkpoint / "model.pt", [&](const std::string& path) { torch::load(net, path); });
+  load_part(checkpoint / "optimizer.pt", [&](const std::string& path) { torch::load(optimizer, path); });
+  load_part(checkpoint / "rng.pt", [](const std::string& path) {
+    torch::Tensor rng;
+    torch::load(rng, path);
+    at::Generator generator = at::detail::getDefaultCPUGenerator();  // a handle: shares the default
+    generator.set_state(rng);
+  });
   return conveyor::load_state_file((checkpoint / "trainer.json").string());
 }
 

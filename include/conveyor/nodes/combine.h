@@ -12,6 +12,9 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -76,7 +79,25 @@ void reset_inputs_sharded_each(const std::string& node, const PassContext& pass,
                    (many_whole ? "their sources" : "its source"));
 }
 
+// A double as its shortest text that reads back the same ("-1e-09", where
+// std::to_string gives "-0.000000").
+inline std::string exact(double value) {
+  char text[32];
+  const auto written = std::to_chars(text, text + sizeof text, value);
+  return std::string(text, written.ptr);
+}
+
 }  // namespace detail
+
+// fork's "too far ahead of the slowest" error. Unlike a failed item it takes
+// no item's place: the consumer's next item is still to come, and the next
+// call may get it. zip passes it on without dropping the other input's item
+// (a failed item's pair loses both); a resumed pass meets it again where it
+// was met (see fork).
+class ForkOverflowError : public ValueError {
+ public:
+  using ValueError::ValueError;
+};
 
 template <class A, class B>
 class Zip final : public MeteredNode<std::pair<A, B>> {
@@ -111,13 +132,17 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
   // A failed item of either input is the pair's error, in the pair's place:
   // the other input's item at that place goes with it, or every later pair
   // would be shifted by one. "Not yet" (UpstreamPending) keeps what was
-  // pulled for the next call.
+  // pulled for the next call, and so does a fork's ForkOverflowError, which
+  // takes no item's place: it is the pair's output, and the pair is still to
+  // come (what is dropped or kept stays so).
   std::optional<item_type> produce() override {
     if (drop_b_) {
       try {
         (void)this->meter_.wait([this] { return this->next_of(*b_); });
       } catch (const detail::UpstreamPending&) {
         throw;
+      } catch (const ForkOverflowError&) {
+        throw;  // b's item at the failed pair's place is still to drop
       } catch (...) {
         // Its own failure: the pair was reported failed already.
       }
@@ -127,6 +152,8 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
       try {
         pending_a_ = this->meter_.wait([this] { return this->next_of(*a_); });
       } catch (const detail::UpstreamPending&) {
+        throw;
+      } catch (const ForkOverflowError&) {
         throw;
       } catch (...) {
         drop_b_ = true;
@@ -139,6 +166,8 @@ class Zip final : public MeteredNode<std::pair<A, B>> {
       b = this->meter_.wait([this] { return this->next_of(*b_); });
     } catch (const detail::UpstreamPending&) {
       throw;
+    } catch (const ForkOverflowError&) {
+      throw;  // a's item waits for b's
     } catch (...) {
       pending_a_.reset();
       throw;
@@ -188,8 +217,8 @@ class Merge : public MeteredNode<T> {
   }
 
  protected:
-  explicit Merge(std::vector<Pipeline<T>>&& sources) {
-    if (sources.empty()) throw ValueError("a merge of pipelines needs at least one");
+  Merge(std::vector<Pipeline<T>>&& sources, const char* node) {
+    if (sources.empty()) throw ValueError(std::string(node) + ": needs at least one pipeline to merge, but got none");
     for (auto& source : sources) sources_.push_back(std::move(source).release());
   }
   void collect_upstream_metrics(std::vector<NodeMetrics>& out) const override {
@@ -217,7 +246,7 @@ class Merge : public MeteredNode<T> {
 template <class T>
 class Mux final : public Merge<T> {
  public:
-  explicit Mux(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources)) {}
+  explicit Mux(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources), "mux") {}
   std::string name() const override { return "mux"; }
   // The rotation replayed, each source skipping its turn's item (a failed
   // item took its turn too).
@@ -265,15 +294,30 @@ template <class T>
 class WeightedMux final : public Merge<T> {
  public:
   WeightedMux(std::vector<Pipeline<T>>&& sources, std::vector<double> weights)
-      : Merge<T>(std::move(sources)), weights_(std::move(weights)) {
+      : Merge<T>(std::move(sources), "weighted_mux"), weights_(std::move(weights)) {
     if (weights_.size() != this->sources_.size()) {
       throw ValueError("weighted_mux: " + std::to_string(weights_.size()) + " weights for " +
                        std::to_string(this->sources_.size()) + " sources");
     }
-    for (double w : weights_) {
-      if (!(w > 0) || w == std::numeric_limits<double>::infinity()) {
-        throw ValueError("weighted_mux: weights should be positive and finite, but got " + std::to_string(w));
+    double total = 0;
+    for (size_t i = 0; i < weights_.size(); ++i) {
+      if (!(weights_[i] > 0) || !std::isfinite(weights_[i])) {
+        throw ValueError("weighted_mux: weight " + std::to_string(i) + " should be positive and finite, but got " +
+                         detail::exact(weights_[i]));
       }
+      total += weights_[i];
+    }
+    // Finite weights whose sum is not (near DBL_MAX): a pick's total would be
+    // infinite and every pick the last source's. Scaled by 2^-bit_width(n),
+    // their sum is at most DBL_MAX / 2, and a power of two scales every
+    // product and difference in pick() without rounding (but for weights
+    // near the subnormal range, 1e-300 or so, which beside one near DBL_MAX
+    // are never picked anyway). Weights whose sum is finite stay as given:
+    // dividing by the sum or the largest would round, and change the picks
+    // that seeded passes and saved states were made with.
+    if (!std::isfinite(total)) {
+      const int shift = static_cast<int>(std::bit_width(weights_.size()));
+      for (double& w : weights_) w = std::ldexp(w, -shift);
     }
   }
   std::string name() const override { return "weighted_mux"; }
@@ -339,7 +383,7 @@ Pipeline<T> weighted_mux(std::vector<Pipeline<T>> sources, std::vector<double> w
 template <class T>
 class Join final : public Merge<T> {
  public:
-  explicit Join(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources)) {}
+  explicit Join(std::vector<Pipeline<T>>&& sources) : Merge<T>(std::move(sources), "join") {}
   Poll try_next(std::optional<T>& out) override { return this->counted(poll(out)); }
   std::string name() const override { return "join"; }
 
@@ -493,48 +537,112 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 }
 
 // fork: the consumers share the upstream and a buffer of the items not every
-// consumer has taken yet (at most `buffer` items). A consumer that gets
-// further ahead of the slowest than that is an error: in one thread it
-// would otherwise wait for ever. The consumers may be advanced from several
-// threads (each behind its own prefetch or parallel map): they take turns
-// at upstream and the buffer under one mutex, held while upstream makes an
-// item (a consumer that finds its item buffered waits for that pull).
+// consumer has taken yet (at most `buffer` items). The consumers may be
+// advanced from several threads (each behind its own prefetch or parallel
+// map): they take turns at upstream and the buffer under one mutex, held
+// while upstream makes an item (a consumer that finds its item buffered
+// waits for that pull).
+//
+// A consumer that gets further ahead of the slowest than the buffer allows
+// is a ForkOverflowError (a ValueError): in one thread it would otherwise
+// wait for ever. It takes no item's place: the consumer stays where it is,
+// its next item is still to come, and a later call (once the others have
+// taken from the buffer) gets it. So no consumer misses an item it should
+// see, the buffer never holds more than its limit, and zip, which passes
+// this error on without dropping the other input's item, keeps its pairs
+// aligned. A checkpoint counts the error as an output (every error is, for
+// the consumer's Pipeline): each consumer's state holds where it met these
+// errors (before which of its items, how many times) and how far it had
+// taken, and a resumed pass meets them again there and meets no new one
+// before that point, so its outputs are the saved pass's, one for one.
 // Size the buffer above what runs ahead between a consumer and the point
 // where the branches are taken in step: behind prefetch(n) on each branch
 // of a zip, a branch's strand may be n + 1 items ahead of the other
 // branch's, whichever thread is scheduled first, so a buffer of n + 2 or
 // more; a parallel map on a branch pulls up to its window ahead the same way.
+//
+// Passes: the first consumer reset into a new pass resets upstream, and the
+// others join that pass when they are reset. A consumer still in the last
+// pass takes nothing from the new one: one with items left there (cut off
+// mid-pass) gets a StateError naming who started the new pass, one that had
+// taken every item gets the end. (Resetting a graph resets its branches one
+// after another, and a branch's prefetch cancels its strand, and drops what
+// it got, before the branch is reset.) An upstream whose reset threw is
+// reset again by the next consumer reset, whichever that is, and nothing is
+// taken from it meanwhile.
 template <class T>
 class ForkState {
  public:
   ForkState(NodePtr<T> upstream, size_t consumers, size_t buffer)
-      : upstream_(std::move(upstream)), taken_(consumers, 0), passes_(consumers, 0), buffer_limit_(buffer) {}
+      : upstream_(std::move(upstream)),
+        taken_(consumers, 0),
+        passes_(consumers, 0),
+        cut_(consumers),
+        overflows_(consumers),
+        buffer_(buffer),
+        buffer_limit_(buffer) {}
 
   void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk) {
     const std::lock_guard lock(mutex_);
     const uint64_t first_id = walk.next_id;
-    if (passes_[consumer] == pass_) {  // the first consumer into a new pass resets upstream
+    // The first consumer into a new pass resets upstream, and so does any
+    // consumer after upstream's reset threw.
+    if (passes_[consumer] == pass_ || upstream_unreset_) {
       // Started over by one consumer (ResetWalk::restart): a consumer
       // sharing the pass and not started over with it has lost its items.
       restarted_by_ = std::nullopt;
       for (size_t other = 0; other < passes_.size(); ++other) {
         if (walk.restart && other != consumer && passes_[other] == pass_) restarted_by_ = consumer;
+        // Cut off mid-pass: it had items left in the pass that ends here.
+        if (other != consumer && passes_[other] == pass_ && !(ended_ && taken_[other] == base_ + items_.size())) {
+          cut_[other] = Cut{consumer, taken_[other]};
+        }
       }
       ++pass_;
-      upstream_->reset(pass, walk);
-      upstream_ids_ = walk.next_id - first_id;
-      sharded_ = walk.sharded;
-      ordered_by_timing_ = walk.ordered_by_timing;
+      // Until upstream's reset returns, no consumer is in pass_ (each
+      // takes nothing) and the next reset resets upstream again.
+      upstream_unreset_ = true;
       items_.clear();
       base_ = 0;
       std::fill(taken_.begin(), taken_.end(), 0);
+      for (Overflows& overflows : overflows_) overflows = Overflows{};
       ended_ = false;
+      upstream_->reset(pass, walk);
+      upstream_unreset_ = false;
+      upstream_ids_ = walk.next_id - first_id;
+      sharded_ = walk.sharded;
+      ordered_by_timing_ = walk.ordered_by_timing;
     } else {
       walk.next_id += upstream_ids_;
       walk.sharded = walk.sharded || sharded_;
       if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     }
     passes_[consumer] = pass_;
+    cut_[consumer] = std::nullopt;
+  }
+
+  // After reset(): what a resumed pass's state saved for this consumer
+  // (save_extras), or nullptr for a pass from its start.
+  void restore(size_t consumer, const State* saved) {
+    const std::lock_guard lock(mutex_);
+    Overflows& overflows = overflows_[consumer];
+    overflows = Overflows{};
+    if (!saved) return;
+    const std::string who = "load_state: fork[" + std::to_string(consumer) + "]'s state";
+    std::vector<uint64_t> runs = saved->at("overflows").as_uint_list("overflows");
+    const uint64_t at = saved->uint_at("at");
+    if (runs.size() % 2 != 0) {
+      throw StateError(who + " should hold (position, count) pairs, but it holds " + std::to_string(runs.size()) +
+                       " numbers");
+    }
+    for (size_t r = 0; r < runs.size(); r += 2) {
+      if ((r > 0 && runs[r] <= runs[r - 2]) || runs[r] > at || runs[r + 1] == 0) {
+        throw StateError(who + " names overflow errors out of order, none, or past where it had taken (" +
+                         std::to_string(at) + " items): the state is corrupt");
+      }
+    }
+    overflows.replay = std::move(runs);
+    overflows.quiet_until = at;
   }
 
   // Upstream's metrics appear once, under the first consumer.
@@ -544,9 +652,16 @@ class ForkState {
   // Every consumer's state holds upstream's: a resumed consumer resets
   // upstream if it is the first into the pass, whichever that is. Under
   // the mutex: upstream is advanced under it, maybe on another thread.
-  void save_extras(size_t, State& nodes, bool in_pass) const {
+  // In a pass, the consumer's own (under `id`, its node's): where it met
+  // overflow errors, and how far it had taken.
+  void save_extras(size_t consumer, uint64_t id, State& nodes, bool in_pass) const {
     const std::lock_guard lock(mutex_);
     upstream_->save_extras(nodes, in_pass);
+    if (!in_pass || passes_[consumer] != pass_ || upstream_unreset_) return;
+    State mine = State::object();
+    mine.set("overflows", State::list(overflows_[consumer].thrown));
+    mine.set("at", taken_[consumer]);
+    nodes.set(std::to_string(id), std::move(mine));
   }
 
   // A resumed consumer takes its items as it did, buffering what the others
@@ -562,7 +677,8 @@ class ForkState {
         try {
           if (!take(consumer, false)) break;
         } catch (...) {
-          // A failed item is taken in its place, as next() would hand it out.
+          // A failed item (or an overflow error met there) is taken in its
+          // place, as next() would hand it out.
         }
         ++skipped;
       }
@@ -585,22 +701,35 @@ class ForkState {
   std::optional<T> take(size_t consumer, bool polling) {
     // A consumer not yet reset into the pass another one started (its
     // prefetch still running out the last pass) takes nothing from it.
-    if (passes_[consumer] != pass_) {
+    if (passes_[consumer] != pass_ || upstream_unreset_) {
       if (restarted_by_) {
         throw StateError("fork: consumer " + std::to_string(*restarted_by_) +
                          " started its pass over alone (a shuffle behind it resuming from a state that does not say "
                          "where its upstream ended), and consumer " + std::to_string(consumer) +
                          " shared that pass; take the state again with this conveyor");
       }
+      if (const std::optional<Cut>& cut = cut_[consumer]) {
+        throw StateError("fork: consumer " + std::to_string(cut->by) + " started a new pass while consumer " +
+                         std::to_string(consumer) + " was " + std::to_string(cut->taken) +
+                         " items into the last one; start every consumer's pass together");
+      }
       return std::nullopt;
     }
     uint64_t& taken = taken_[consumer];
+    Overflows& overflows = overflows_[consumer];
+    // A resumed pass: the overflow errors the saved one met, where it met them.
+    if (overflows.replay_at < overflows.replay.size() && overflows.replay[overflows.replay_at] == taken) {
+      if (++overflows.replayed == overflows.replay[overflows.replay_at + 1]) {
+        overflows.replay_at += 2;
+        overflows.replayed = 0;
+      }
+      throw overflow(consumer, buffer_);
+    }
     if (taken == base_ + items_.size()) {
       if (ended_) return std::nullopt;
-      if (items_.size() >= buffer_limit_) {
-        throw ValueError("fork: consumer " + std::to_string(consumer) + " is " + std::to_string(items_.size()) +
-                         " items ahead of the slowest, the buffer's limit; take from the others or raise it");
-      }
+      // Before where a resumed pass's consumer had taken, only the saved
+      // overflow errors: the buffer may hold more meanwhile.
+      if (items_.size() >= buffer_limit_ && taken >= overflows.quiet_until) throw overflow(consumer, items_.size());
       Entry entry;
       try {
         if (!polling) {
@@ -635,23 +764,58 @@ class ForkState {
     return out;
   }
 
+  // The consumer's overflow error, counted where it stands (its state's
+  // "overflows"): `ahead` items ahead of the slowest.
+  ForkOverflowError overflow(size_t consumer, size_t ahead) {
+    std::vector<uint64_t>& thrown = overflows_[consumer].thrown;
+    const uint64_t at = taken_[consumer];
+    if (!thrown.empty() && thrown[thrown.size() - 2] == at) {
+      ++thrown.back();
+    } else {
+      thrown.push_back(at);
+      thrown.push_back(1);
+    }
+    return ForkOverflowError("fork: consumer " + std::to_string(consumer) + " is " + std::to_string(ahead) +
+                             " items ahead of the slowest, the buffer's limit; take from the others or raise it "
+                             "(its next item, " + std::to_string(at) +
+                             ", is still to come: this error takes no item's place)");
+  }
+
   // An upstream item, or the error upstream threw in its place.
   struct Entry {
     std::optional<T> item;
     std::exception_ptr error;
+  };
+  // A consumer cut off mid-pass by another's new pass.
+  struct Cut {
+    size_t by;       // the consumer that started the new pass
+    uint64_t taken;  // the items it had taken in the last one
+  };
+  // A consumer's overflow errors in this pass, as (position, count) runs:
+  // `count` errors met before its item `position`.
+  struct Overflows {
+    std::vector<uint64_t> thrown;  // this pass's, replayed ones included
+    std::vector<uint64_t> replay;  // a resumed pass's, from its state
+    size_t replay_at = 0;          // replay's next run
+    uint64_t replayed = 0;         // of that run, met so far
+    uint64_t quiet_until = 0;      // a resumed pass: no new overflow error before this item
   };
   NodePtr<T> upstream_;
   std::deque<Entry> items_;  // items base_ .. base_ + size - 1
   uint64_t base_ = 0;
   std::vector<uint64_t> taken_;   // by consumer: items taken this pass
   std::vector<uint64_t> passes_;  // by consumer: passes started
+  std::vector<std::optional<Cut>> cut_;  // by consumer: cut off in its pass (passes_ < pass_)
+  std::vector<Overflows> overflows_;     // by consumer
   uint64_t pass_ = 0;
+  bool upstream_unreset_ = false;  // upstream's last reset threw: the pass has not begun
   uint64_t upstream_ids_ = 0;
   bool sharded_ = false;
   std::string ordered_by_timing_;  // upstream's ResetWalk::ordered_by_timing
   bool ended_ = false;
   std::optional<size_t> restarted_by_;  // the consumer that started this pass over alone
-  size_t buffer_limit_;
+  const size_t buffer_;                 // the limit fork() was given
+  size_t buffer_limit_;                 // the limit now (none while a resumed consumer skips)
   // Around upstream and everything above, for consumers on several threads
   // (uncontended, one lock an item, where they share one thread).
   mutable std::mutex mutex_;
@@ -666,10 +830,13 @@ class ForkOutput final : public MeteredNode<T> {
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
     state_->reset(consumer_, pass, walk);
     this->start_metering(pass, walk.next_id++);
+    state_->restore(consumer_, conveyor::detail::restored_extras(walk, this->id_));
   }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
   uint64_t skip(uint64_t count, bool) override { return state_->skip(consumer_, count); }
-  void save_extras(State& nodes, bool in_pass) const override { state_->save_extras(consumer_, nodes, in_pass); }
+  void save_extras(State& nodes, bool in_pass) const override {
+    state_->save_extras(consumer_, this->id_.load(std::memory_order_relaxed), nodes, in_pass);
+  }
 
  private:
   // Its items in are those it takes from the shared buffer.

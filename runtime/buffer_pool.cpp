@@ -24,7 +24,6 @@
 #include <utility>
 
 #include "conveyor/detail/check.h"
-#include "conveyor/errors.h"
 #include "conveyor/transfer.h"
 
 namespace conveyor::detail {
@@ -172,6 +171,19 @@ struct BlockTag {
   void operator()(std::byte*) const noexcept {}
 };
 
+// A std::bad_alloc, as any allocation beyond memory (decoders and crops
+// turn those into their own errors), that names the size.
+class BeyondEveryClass final : public std::bad_alloc {
+ public:
+  explicit BeyondEveryClass(size_t bytes)
+      : message_("cannot allocate a batch buffer of " + std::to_string(bytes) + " bytes: the pool's largest is " +
+                 std::to_string(kLargestClassBytes)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
 class RecyclingAllocator final : public BufferAllocator {
  public:
   RecyclingAllocator(size_t max_free_per_class, std::shared_ptr<TransferDevice> pinned_by)
@@ -186,10 +198,7 @@ class RecyclingAllocator final : public BufferAllocator {
   std::shared_ptr<std::byte> allocate(size_t bytes) override {
     // A size from user code (a collate's shape): an error to catch, not a
     // broken invariant. Checked before the rounding, which would wrap.
-    if (bytes > kLargestClassBytes) {
-      throw RuntimeError("cannot allocate a batch buffer of " + std::to_string(bytes) +
-                         " bytes: the pool's largest is " + std::to_string(kLargestClassBytes));
-    }
+    if (bytes > kLargestClassBytes) throw BeyondEveryClass(bytes);
     const size_t units = (std::max(bytes, kMinClassBytes) + kMinClassBytes - 1) / kMinClassBytes;
     const auto size_class = static_cast<size_t>(std::bit_width(units - 1));
     Block* block = nullptr;

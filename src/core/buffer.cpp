@@ -1,10 +1,8 @@
 #include "conveyor/buffer.h"
 
 #include "conveyor/detail/buffer_pool.h"
-#include "conveyor/errors.h"
 
 #include <new>
-#include <string>
 
 namespace conveyor {
 namespace {
@@ -13,12 +11,8 @@ constexpr std::align_val_t kAlignment{64};
 }  // namespace
 
 std::shared_ptr<std::byte> allocate_batch_buffer(size_t bytes) {
-  try {
-    if (tls_allocator != nullptr) return tls_allocator->allocate(bytes);
-    return detail::allocate_heap_buffer(bytes);
-  } catch (const std::bad_alloc&) {  // PyTorch's allocator names the size too
-    throw RuntimeError("cannot allocate a batch buffer of " + std::to_string(bytes) + " bytes (std::bad_alloc)");
-  }
+  if (tls_allocator != nullptr) return tls_allocator->allocate(bytes);
+  return detail::allocate_heap_buffer(bytes);
 }
 
 namespace detail {

@@ -67,16 +67,23 @@ class SampleFields {
   const std::vector<uint8_t>& at(std::string_view name) const {
     return const_cast<SampleFields*>(this)->at(name);
   }
+  // Unlike std::map's, inserting a field moves the others (one sorted
+  // array): a reference to another field taken before it goes stale, so
+  // `s["input"] = s.at("jpg")` (whose right side is evaluated first) is
+  // wrong. Copy from another field with insert_or_assign or try_emplace,
+  // which make the bytes before they insert.
   std::vector<uint8_t>& operator[](std::string_view name) { return try_emplace(name).first->second; }
 
   // Inserts `name` with bytes made from `args` unless it is there; returns
-  // the field and whether it was inserted.
+  // the field and whether it was inserted. The bytes are made before the
+  // insertion moves the other fields: `args` may be one of them.
   template <class... Args>
   std::pair<iterator, bool> try_emplace(std::string_view name, Args&&... args) {
     const auto at = lower_bound(name);
     if (at != fields_.end() && at->first == name) return {at, false};
+    mapped_type bytes(std::forward<Args>(args)...);
     return {fields_.emplace(at, std::piecewise_construct, std::forward_as_tuple(name),
-                            std::forward_as_tuple(std::forward<Args>(args)...)),
+                            std::forward_as_tuple(std::move(bytes))),
             true};
   }
   // As std::map's: a name already there keeps its bytes.
@@ -86,11 +93,14 @@ class SampleFields {
   }
   std::pair<iterator, bool> insert(const value_type& field) { return try_emplace(field.first, field.second); }
   std::pair<iterator, bool> insert(value_type&& field) { return try_emplace(field.first, std::move(field.second)); }
+  // `bytes` may be another field's (see try_emplace).
   template <class Bytes>
   std::pair<iterator, bool> insert_or_assign(std::string_view name, Bytes&& bytes) {
-    auto [field, inserted] = try_emplace(name);
-    field->second = std::forward<Bytes>(bytes);
-    return {field, inserted};
+    if (const auto field = find(name); field != end()) {
+      field->second = std::forward<Bytes>(bytes);
+      return {field, false};
+    }
+    return try_emplace(name, std::forward<Bytes>(bytes));
   }
   size_t erase(std::string_view name) {
     const auto field = find(name);

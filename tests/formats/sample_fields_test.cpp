@@ -90,6 +90,33 @@ TEST(SampleFields, ReservedRoomTakesTheFieldsWithoutMovingThem) {
 // Random inserts, assignments, erases and lookups, applied to SampleFields
 // and to std::map alike: the two hold the same fields in the same order
 // after every step. The seed is printed; CONVEYOR_FIELDS_SEED replays one.
+// Another field's bytes as the value of a new field (WebDataset's
+// s["input"] = s["jpg"], written with insert_or_assign or try_emplace):
+// copied, though the insertion moves that field (with room reserved, in
+// place: the new field read itself and came out empty; without, the array
+// moved and the copy read freed memory).
+TEST(SampleFields, AnotherFieldsBytesAreCopiedIntoANewField) {
+  for (const bool reserved : {true, false}) {
+    SCOPED_TRACE(reserved ? "room reserved" : "no room reserved");
+    conveyor::SampleFields by_assign, by_emplace;
+    for (conveyor::SampleFields* fields : {&by_assign, &by_emplace}) {
+      if (reserved) fields->reserve(4);
+      fields->try_emplace("jpg", std::vector<uint8_t>{1, 2, 3});
+      fields->try_emplace("txt", std::vector<uint8_t>{9});
+    }
+    EXPECT_TRUE(by_assign.insert_or_assign("input", by_assign.at("jpg")).second);
+    EXPECT_TRUE(by_emplace.try_emplace("input", by_emplace.at("jpg")).second);
+    for (const conveyor::SampleFields* fields : {&by_assign, &by_emplace}) {
+      EXPECT_EQ(fields->at("input"), (std::vector<uint8_t>{1, 2, 3}));
+      EXPECT_EQ(fields->at("jpg"), (std::vector<uint8_t>{1, 2, 3}));
+      EXPECT_EQ(fields->at("txt"), (std::vector<uint8_t>{9}));
+    }
+    // A field there already takes the other's bytes in place.
+    by_assign.insert_or_assign("txt", by_assign.at("jpg"));
+    EXPECT_EQ(by_assign.at("txt"), (std::vector<uint8_t>{1, 2, 3}));
+  }
+}
+
 TEST(SampleFields, BehavesAsStdMapUnderRandomOperations) {
   const char* fixed = std::getenv("CONVEYOR_FIELDS_SEED");
   const uint64_t seed = fixed != nullptr ? std::stoull(fixed) : std::random_device{}();

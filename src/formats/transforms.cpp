@@ -129,6 +129,8 @@ Array<T> random_horizontal_flip(const RandomHorizontalFlip& flip, const Array<T>
     return image;  // as torchvision, the input itself when not flipped
   }
   Array<T> out({in.channels, in.height, in.width});
+  // No pixels: no rows to walk (channels x height may not even fit int64).
+  if (out.numel() == 0) return out;
   const T* source = image.data();
   T* target = out.data();
   for (int64_t row = 0; row < in.channels * in.height; ++row) {
@@ -160,6 +162,8 @@ Array<float> RandomHorizontalFlip::operator()(const Array<float>& image) const {
 }
 
 Array<float> ToFloat::operator()(const Array<uint8_t>& image) const {
+  // An empty Array() has shape [] too, which is a scalar's: it stays empty.
+  if (image.numel() == 0 && image.dim() == 0) return Array<float>();
   Array<float> out(image.shape());
   const uint8_t* source = image.data();
   float* target = out.data();
@@ -185,6 +189,7 @@ Array<float> Normalize::operator()(const Array<float>& image) const {
         "std evaluated to zero after conversion to torch.float32, leading to division by zero.");
   }
   Array<float> out(image.shape());
+  if (out.numel() == 0) return out;  // no planes to walk, however many channels
   const size_t plane = static_cast<size_t>(in.height) * static_cast<size_t>(in.width);
   for (int64_t c = 0; c < in.channels; ++c) {
     const float channel_mean = per_channel(mean, c);

@@ -274,6 +274,33 @@ TEST(TransformRandomHorizontalFlip, AlwaysDrawsOnce) {
   EXPECT_THROW((RandomHorizontalFlip{0.5}(Array<uint8_t>({3, 3}))), ValueError);
 }
 
+// Images with no pixels: no rows or planes are walked. The old loops ran
+// channels x height times (2^40 here) for nothing, and that product may
+// not fit int64 at all.
+TEST(TransformRandomHorizontalFlip, AnImageWithNoPixelsHasNoRowsToWalk) {
+  const Array<uint8_t> empty({1, int64_t{1} << 40, 0});
+  const Array<uint8_t> out = RandomHorizontalFlip{1.0}(empty);
+  EXPECT_EQ(out.shape(), empty.shape());
+  EXPECT_EQ(out.numel(), 0u);
+}
+
+TEST(TransformNormalize, AnImageWithNoPixelsHasNoPlanesToWalk) {
+  const Array<float> empty({int64_t{1} << 40, 1, 0});
+  const Array<float> out = Normalize{{0.5f}, {0.25f}}(empty);
+  EXPECT_EQ(out.shape(), empty.shape());
+  EXPECT_EQ(out.numel(), 0u);
+}
+
+// An empty Array() (shape [], as a scalar's) stays empty: not a scalar
+// holding an unwritten value.
+TEST(TransformToFloat, AnEmptyArrayStaysEmpty) {
+  const Array<float> out = ToFloat{}(Array<uint8_t>());
+  EXPECT_EQ(out.numel(), 0u);
+  EXPECT_EQ(out.dim(), 0);
+  const Array<float> rows = ToFloat{}(Array<uint8_t>({0, 3}));
+  EXPECT_EQ(rows.shape(), (std::vector<int64_t>{0, 3}));
+}
+
 TEST(TransformToFloat, DividesBy255) {
   Array<uint8_t> image({1, 16, 16});
   for (size_t i = 0; i < 256; ++i) image[i] = static_cast<uint8_t>(i);

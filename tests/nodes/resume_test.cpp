@@ -45,21 +45,8 @@ using conveyor::testing::property_graphs;
 using conveyor::testing::property_rng;
 using conveyor::testing::random_pipeline;
 
-using Outcomes = std::vector<std::string>;
-
-// The next outcome of `pass` (an item, or an error as its node and
-// position), false at the end.
-template <class Pass>
-bool take_one(Pass& pass, Outcomes& out) {
-  try {
-    std::optional<int64_t> item = pass.next();
-    if (!item) return false;
-    out.push_back(std::to_string(*item));
-  } catch (const conveyor::NodeError& e) {
-    out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
-  }
-  return true;
-}
+using conveyor::testing::Outcomes;
+using conveyor::testing::take_one;
 
 Outcomes sorted(Outcomes outcomes) {
   std::sort(outcomes.begin(), outcomes.end());

@@ -13,6 +13,7 @@
 // by field: a mismatch is a StateError naming the field and both values.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -53,12 +54,17 @@ class State {
 
   static State object() { return State(Object{}); }
   static State array() { return State(Array{}); }
-  // An array of unsigned integers.
+  // An array of unsigned integers, kept packed: 8 bytes a value where a
+  // State is 40 (a decision log holds up to 2^26 of them). from_json packs
+  // every array of non-negative integers the same way.
   static State list(const std::vector<uint64_t>& values);
+  static State list(std::vector<uint64_t>&& values);
 
   bool is_null() const noexcept { return std::holds_alternative<std::monostate>(value_); }
   bool is_object() const noexcept { return std::holds_alternative<Object>(value_); }
-  bool is_array() const noexcept { return std::holds_alternative<Array>(value_); }
+  bool is_array() const noexcept {
+    return std::holds_alternative<Array>(value_) || std::holds_alternative<PackedUints>(value_);
+  }
 
   // Objects. set() replaces a member of that name or appends one.
   State& set(std::string_view key, State value);
@@ -68,7 +74,9 @@ class State {
   const State* find(std::string_view key) const noexcept;
   const Object& members() const;
 
-  // Arrays.
+  // Arrays. items() of a packed list (list(), or integers read by
+  // from_json) makes its States once, at the first call; a push_back()
+  // invalidates what it returned, as a vector's would.
   State& push_back(State value);
   const Array& items() const;
   size_t size() const;  // of an array or an object
@@ -97,7 +105,30 @@ class State {
   friend bool operator==(const State& a, const State& b);
 
  private:
-  std::variant<std::monostate, bool, int64_t, uint64_t, double, std::string, Array, Object> value_;
+  // An array of non-negative integers as the integers themselves. The
+  // States items() hands out are made on its first call, by whichever
+  // caller gets there (concurrent const calls are safe, as on a vector).
+  class PackedUints {
+   public:
+    explicit PackedUints(std::vector<uint64_t> values) noexcept : values_(std::move(values)) {}
+    PackedUints(const PackedUints& other) : values_(other.values_) {}
+    PackedUints(PackedUints&& other) noexcept;
+    PackedUints& operator=(const PackedUints& other);
+    PackedUints& operator=(PackedUints&& other) noexcept;
+    ~PackedUints();
+
+    const std::vector<uint64_t>& values() const noexcept { return values_; }
+    const Array& unpacked() const;
+    friend bool operator==(const PackedUints& a, const PackedUints& b) { return a.values_ == b.values_; }
+
+   private:
+    std::vector<uint64_t> values_;
+    mutable std::atomic<const Array*> unpacked_{nullptr};  // owned; null until items()
+  };
+  explicit State(PackedUints value) : value_(std::move(value)) {}
+  void write_json(std::string& out) const;
+
+  std::variant<std::monostate, bool, int64_t, uint64_t, double, std::string, Array, Object, PackedUints> value_;
 };
 
 // The envelope's checks. `kind` is "conveyor.DataLoader" or

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <unordered_set>
 
@@ -128,15 +129,46 @@ class Parser {
     return State(std::move(members));
   }
 
+  // Non-negative integers are read straight into a packed list (8 bytes a
+  // value, not a State's 40) until the first element of another kind.
   State parse_array(int depth) {
     ++at_;
-    State array = State::array();
-    if (consume(']')) return array;
+    if (consume(']')) return State::array();
+    if (depth + 1 > kMaxDepth) fail("nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    std::vector<uint64_t> integers;
     do {
-      array.push_back(parse_value(depth + 1));
+      skip_space();
+      if (parse_plain_uint(integers)) continue;
+      State::Array items;
+      items.reserve(integers.size() + 1);
+      for (const uint64_t value : integers) items.emplace_back(value);
+      std::vector<uint64_t>().swap(integers);
+      items.push_back(parse_value(depth + 1));
+      while (consume(',')) items.push_back(parse_value(depth + 1));
+      expect(']');
+      return State(std::move(items));
     } while (consume(','));
     expect(']');
-    return array;
+    return State::list(std::move(integers));
+  }
+
+  // Appends the integer at at_ when it is one without sign, point or
+  // exponent; otherwise leaves at_ where it was and returns false.
+  bool parse_plain_uint(std::vector<uint64_t>& out) {
+    if (at_ == text_.size() || text_[at_] < '0' || text_[at_] > '9') return false;
+    const size_t start = at_;
+    skip_digits();
+    if (at_ < text_.size() && (text_[at_] == '.' || text_[at_] == 'e' || text_[at_] == 'E')) {
+      at_ = start;
+      return false;
+    }
+    if (text_[start] == '0' && at_ - start > 1) fail("a number with a leading zero");
+    uint64_t value = 0;
+    const char* last = text_.data() + at_;
+    const auto [end, error] = std::from_chars(text_.data() + start, last, value);
+    if (error != std::errc() || end != last) fail("an integer out of 64-bit range");
+    out.push_back(value);
+    return true;
   }
 
   std::string parse_string() {
@@ -257,16 +289,50 @@ class Parser {
   size_t at_ = 0;
 };
 
-void append_json(std::string& out, const State& value);
-
 }  // namespace
 
-State State::list(const std::vector<uint64_t>& values) {
-  Array items;
-  items.reserve(values.size());
-  for (uint64_t value : values) items.emplace_back(value);
-  return State(std::move(items));
+// ---- packed lists ------------------------------------------------------------
+
+// Moves and assignments are not concurrent with anything (as on any
+// object): relaxed is enough there. Only unpacked() races with itself.
+State::PackedUints::PackedUints(PackedUints&& other) noexcept
+    : values_(std::move(other.values_)), unpacked_(other.unpacked_.exchange(nullptr, std::memory_order_relaxed)) {
+  other.values_.clear();
 }
+State::PackedUints& State::PackedUints::operator=(const PackedUints& other) {
+  if (this != &other) *this = PackedUints(other);
+  return *this;
+}
+State::PackedUints& State::PackedUints::operator=(PackedUints&& other) noexcept {
+  if (this != &other) {
+    values_ = std::move(other.values_);
+    other.values_.clear();
+    delete unpacked_.exchange(other.unpacked_.exchange(nullptr, std::memory_order_relaxed),
+                              std::memory_order_relaxed);
+  }
+  return *this;
+}
+State::PackedUints::~PackedUints() { delete unpacked_.load(std::memory_order_relaxed); }
+
+const State::Array& State::PackedUints::unpacked() const {
+  // Acquire pairs with the release of the compare-exchange below: a caller
+  // that sees the pointer sees the States written before it was published.
+  if (const Array* made = unpacked_.load(std::memory_order_acquire)) return *made;
+  auto fresh = std::make_unique<Array>();
+  fresh->reserve(values_.size());
+  for (const uint64_t value : values_) fresh->emplace_back(value);
+  const Array* expected = nullptr;
+  // Release publishes the States; on losing the race, acquire reads the
+  // winner's (this caller's copy is dropped).
+  if (unpacked_.compare_exchange_strong(expected, fresh.get(), std::memory_order_acq_rel,
+                                        std::memory_order_acquire)) {
+    return *fresh.release();
+  }
+  return *expected;
+}
+
+State State::list(const std::vector<uint64_t>& values) { return State(PackedUints(values)); }
+State State::list(std::vector<uint64_t>&& values) { return State(PackedUints(std::move(values))); }
 
 State& State::set(std::string_view key, State value) {
   if (is_null()) value_ = Object{};
@@ -306,6 +372,12 @@ const State::Object& State::members() const {
 
 State& State::push_back(State value) {
   if (is_null()) value_ = Array{};
+  // A packed list becomes an array of States: push_back hands out a
+  // reference to the new item, which a packed integer cannot be.
+  if (const auto* packed = std::get_if<PackedUints>(&value_)) {
+    Array items = packed->unpacked();
+    value_ = std::move(items);
+  }
   auto* array = std::get_if<Array>(&value_);
   if (!array) wrong_type("value", "an array", *this);
   array->push_back(std::move(value));
@@ -313,6 +385,7 @@ State& State::push_back(State value) {
 }
 
 const State::Array& State::items() const {
+  if (const auto* packed = std::get_if<PackedUints>(&value_)) return packed->unpacked();
   const auto* array = std::get_if<Array>(&value_);
   if (!array) wrong_type("value", "an array", *this);
   return *array;
@@ -320,6 +393,7 @@ const State::Array& State::items() const {
 
 size_t State::size() const {
   if (const auto* array = std::get_if<Array>(&value_)) return array->size();
+  if (const auto* packed = std::get_if<PackedUints>(&value_)) return packed->values().size();
   if (const auto* object = std::get_if<Object>(&value_)) return object->size();
   wrong_type("value", "an array or an object", *this);
 }
@@ -358,6 +432,7 @@ const std::string& State::as_string(std::string_view what) const {
 }
 
 std::vector<uint64_t> State::as_uint_list(std::string_view what) const {
+  if (const auto* packed = std::get_if<PackedUints>(&value_)) return packed->values();
   const auto* array = std::get_if<Array>(&value_);
   if (!array) wrong_type(what, "an array of non-negative integers", *this);
   std::vector<uint64_t> values;
@@ -376,38 +451,60 @@ bool operator==(const State& a, const State& b) {
     if (a_neg || b_neg) return a_neg && b_neg && std::get<int64_t>(a.value_) == std::get<int64_t>(b.value_);
     return a.as_uint() == b.as_uint();
   }
+  const auto* a_packed = std::get_if<State::PackedUints>(&a.value_);
+  const auto* b_packed = std::get_if<State::PackedUints>(&b.value_);
+  if (a_packed && b_packed) return *a_packed == *b_packed;
+  if ((a_packed || b_packed) && a.is_array() && b.is_array()) {
+    // A packed list against an array of States: item by item, without
+    // making the packed one's States.
+    const std::vector<uint64_t>& values = (a_packed ? a_packed : b_packed)->values();
+    const State::Array& items = (a_packed ? b : a).items();
+    if (values.size() != items.size()) return false;
+    for (size_t i = 0; i < values.size(); ++i) {
+      if (!(State(values[i]) == items[i])) return false;
+    }
+    return true;
+  }
   return a.value_ == b.value_;
 }
 
-namespace {
-void append_json(std::string& out, const State& value) {
-  if (value.is_null()) {
+void State::write_json(std::string& out) const {
+  if (is_null()) {
     out += "null";
-  } else if (value.is_object()) {
+  } else if (is_object()) {
     out += '{';
     bool first = true;
-    for (const State::Member& member : value.members()) {
+    for (const Member& member : members()) {
       if (!first) out += ',';
       first = false;
       append_escaped(out, member.first);
       out += ':';
-      append_json(out, member.second);
+      member.second.write_json(out);
     }
     out += '}';
-  } else if (value.is_array()) {
+  } else if (const auto* packed = std::get_if<PackedUints>(&value_)) {
     out += '[';
+    char text[24];
     bool first = true;
-    for (const State& item : value.items()) {
+    for (const uint64_t value : packed->values()) {
       if (!first) out += ',';
       first = false;
-      append_json(out, item);
+      out.append(text, std::to_chars(text, text + sizeof text, value).ptr);
+    }
+    out += ']';
+  } else if (is_array()) {
+    out += '[';
+    bool first = true;
+    for (const State& item : items()) {
+      if (!first) out += ',';
+      first = false;
+      item.write_json(out);
     }
     out += ']';
   } else {
-    out += value.to_json();
+    out += to_json();
   }
 }
-}  // namespace
 
 std::string State::to_json() const {
   std::string out;
@@ -428,7 +525,7 @@ std::string State::to_json() const {
     append_escaped(out, *value);
     return out;
   }
-  append_json(out, *this);
+  write_json(out);
   return out;
 }
 

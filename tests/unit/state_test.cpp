@@ -95,6 +95,85 @@ TEST(State, AnObjectWithManyMembersParsesInLinearTime) {
   EXPECT_THROW(State::from_json(text.substr(0, text.size() - 1) + ",\"k7\":1}"), StateError);
 }
 
+// Arrays of non-negative integers are kept packed (list(), and what
+// from_json reads): they must read, compare, print and grow as any array.
+TEST(State, PackedIntegerListsBehaveAsArraysOfStates) {
+  const State parsed = State::from_json("[ 0 , 7, 18446744073709551615 ]");
+  const State built = State::list({0, 7, std::numeric_limits<uint64_t>::max()});
+  State::Array spelled;
+  for (const int64_t value : {int64_t{0}, int64_t{7}}) spelled.emplace_back(value);
+  spelled.emplace_back(std::numeric_limits<uint64_t>::max());
+  const State as_states(spelled);
+  EXPECT_TRUE(parsed.is_array());
+  EXPECT_EQ(parsed.size(), 3u);
+  EXPECT_EQ(parsed, built);
+  EXPECT_EQ(parsed, as_states);
+  EXPECT_EQ(as_states, parsed);
+  EXPECT_NE(parsed, State::list({0, 7}));
+  EXPECT_NE(State::from_json("[0,7,1]"), as_states);
+  EXPECT_EQ(parsed.to_json(), "[0,7,18446744073709551615]");
+  EXPECT_EQ(parsed.items().at(1).as_uint(), 7u);
+  EXPECT_EQ(parsed.items().at(2).as_uint(), std::numeric_limits<uint64_t>::max());
+  EXPECT_EQ(parsed.as_uint_list(), (std::vector<uint64_t>{0, 7, std::numeric_limits<uint64_t>::max()}));
+
+  // Integers then other values, in every order, read as they are written.
+  for (const char* text : {"[1,-2,3]", "[1,2.5,3]", "[1,2e3]", "[4,\"x\",[5,6]]", "[-0,1]", "[[1,2],[3]]", "[1,null]"}) {
+    const State value = State::from_json(text);
+    EXPECT_EQ(value.to_json(), State::from_json(value.to_json()).to_json()) << text;
+    EXPECT_EQ(State::from_json(value.to_json()), value) << text;
+  }
+  const State mixed = State::from_json("[1,-2,3.5,4]");
+  ASSERT_EQ(mixed.size(), 4u);
+  EXPECT_EQ(mixed.items()[0].as_uint(), 1u);
+  EXPECT_EQ(mixed.items()[1].as_int(), -2);
+  EXPECT_EQ(mixed.items()[2].as_double(), 3.5);
+  EXPECT_EQ(mixed.items()[3].as_uint(), 4u);
+  for (const char* bad : {"[01]", "[1,01]", "[18446744073709551616]", "[1,2,]", "[1 2]", "[1,", "[1.]"}) {
+    EXPECT_THROW(State::from_json(bad), StateError) << bad;
+  }
+
+  // Growing one turns it into States; a copy keeps its own values.
+  State grown = built;
+  grown.push_back("end");
+  EXPECT_EQ(grown.to_json(), "[0,7,18446744073709551615,\"end\"]");
+  EXPECT_EQ(built.size(), 3u);
+  State moved_from = State::list({1, 2});
+  (void)moved_from.items();
+  State moved = std::move(moved_from);
+  EXPECT_EQ(moved.as_uint_list(), (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(moved.items().size(), 2u);
+  State assigned = State::list({9});
+  (void)assigned.items();
+  assigned = moved;
+  EXPECT_EQ(assigned.items().size(), 2u);
+  EXPECT_EQ(assigned.items()[1].as_uint(), 2u);
+  EXPECT_THROW(State::list({1}).at("x"), StateError);
+  EXPECT_THROW(State::list({1}).as_uint(), StateError);
+  EXPECT_EQ(State::list({}).to_json(), "[]");
+  EXPECT_EQ(State::list({}), State::array());
+}
+
+// items() on a packed list makes its States once, whichever caller is first;
+// the others read that one array.
+TEST(State, ConcurrentItemsOfOnePackedListSeeOneArray) {
+  std::vector<uint64_t> values(4096);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = i * 3;
+  for (int round = 0; round < 50; ++round) {
+    const State list = State::list(values);
+    std::vector<const State::Array*> seen(4, nullptr);
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < seen.size(); ++t) {
+      threads.emplace_back([&, t] { seen[t] = &list.items(); });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (const State::Array* items : seen) {
+      ASSERT_EQ(items, seen[0]);
+      ASSERT_EQ(items->size(), values.size());
+      EXPECT_EQ((*items)[4095].as_uint(), 4095u * 3);
+    }
+  }
+}
+
 TEST(State, TypedReadsNameTheFieldAndWhatItHolds) {
   const State state = State::from_json(R"({"count": -1, "name": 7})");
   try {

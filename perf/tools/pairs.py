@@ -29,6 +29,10 @@ def run(driver, workload, workers, args):
         command += ["--shards", args.shards]
     command += args.driver_arg or []
     done = subprocess.run(command, capture_output=True, text=True)
+    # A driver prints its line before tearing down: a crash after it is
+    # still a failed run, not a measurement.
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-500:]}")
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)["samples_per_s"]

@@ -90,6 +90,17 @@ class Config:
         return median([r["metrics"][name] for r in self.results if "metrics" in r and name in r["metrics"]])
 
 
+class RunFailed:
+    """A configuration that ran and failed every repetition: a target over it
+    is missed, not judged on what is left."""
+
+    def __repr__(self):
+        return "failed"
+
+
+FAILED = RunFailed()
+
+
 class Report:
     def __init__(self, document):
         self.doc = document
@@ -111,6 +122,13 @@ class Report:
     def get(self, peer, workload, workers, mode=""):
         config = self.configs.get((peer, workload, workers, mode))
         return config if config and config.results else None
+
+    def outcome(self, peer, workload, workers, mode=""):
+        """samples/s; FAILED where every repetition failed; None where it did not run."""
+        config = self.configs.get((peer, workload, workers, mode))
+        if config is None:
+            return None
+        return config.rate() if config.results else FAILED
 
     def rate(self, peer, workload, workers, mode=""):
         config = self.get(peer, workload, workers, mode)
@@ -317,7 +335,11 @@ class Report:
         parts, verdicts = [], []
         for workers in workers_list:
             top, bottom = numerator(workers), denominator(workers)
-            if top is None or bottom is None or bottom == 0:
+            if top is FAILED and bottom is not None:
+                parts.append(f"W={workers}: failed")
+                verdicts.append(False)
+                continue
+            if top is None or bottom is None or bottom is FAILED or bottom == 0:
                 continue
             ratio = top / bottom
             parts.append(f"W={workers}: {ratio:.2f}x")
@@ -326,8 +348,8 @@ class Report:
 
     def evaluate(self):
         conveyor = lambda w, peer="conveyor": (
-            lambda workers: self.rate(peer, w, workers, self.default_mode(w, workers, peer)))
-        peer = lambda name, w: (lambda workers: self.rate(name, w, workers))
+            lambda workers: self.outcome(peer, w, workers, self.default_mode(w, workers, peer)))
+        peer = lambda name, w: (lambda workers: self.outcome(name, w, workers))
         limit = lambda w: (lambda workers: self.limit(w, workers))
         # Issue 12: LibTorch's own data (torch tensors as samples) is the headline.
         self.ratio_target("torch samples: W0 >= 1.3x LibTorch", "W0", self.workers_of("W0"),
@@ -336,12 +358,17 @@ class Report:
                           conveyor("W1", "conveyor-torch"), peer("libtorch", "W1"), 1.3)
         parts, verdicts = [], []
         for workload in ("W0", "W1", "W2", "W3", "W4"):
-            ratios = []
+            ratios, failed = [], []
             for workers in self.workers_of(workload):
                 top, bottom = conveyor(workload, "conveyor-torch")(workers), self.rate("libtorch", workload, workers)
-                if top and bottom:
+                if top is FAILED and bottom:
+                    failed.append(workers)
+                elif top and bottom:
                     ratios.append(top / bottom)
-            if ratios:
+            if failed:
+                parts.append(f"{workload} failed at W={','.join(map(str, failed))}")
+                verdicts.append(False)
+            elif ratios:
                 parts.append(f"{workload} min {min(ratios):.2f}x")
                 verdicts.append(min(ratios) >= 1.0)
         self.target("torch samples: never below 1.0x LibTorch (every workload and W, defaults)",
@@ -351,6 +378,10 @@ class Report:
             mode = self.default_mode("W4", workers, "conveyor-torch")
             config = self.get("conveyor-torch", "W4", workers, mode)
             torch_config = self.get("libtorch", "W4", workers)
+            if torch_config and self.outcome("conveyor-torch", "W4", workers, mode) is FAILED:
+                parts.append(f"W={workers}: failed")
+                verdicts.append(False)
+                continue
             if not config or not torch_config:
                 continue
             overshoot = w4_model.overshoot_from_mean(self.calibration.get("c++", {}).get("w4_mean_cost_us", 0.0))
@@ -416,15 +447,21 @@ class Report:
             if not lim or not torch_config:
                 continue
             torch_p99 = median(torch_config.values("wait_p99_us"))
-            candidates = []
+            candidates, failed = [], []
             for mode in self.conveyor_modes("W4", workers):
                 config = self.get("conveyor", "W4", workers, mode)
+                if self.outcome("conveyor", "W4", workers, mode) is FAILED:
+                    failed.append(mode)
                 if not config:
                     continue
                 ratio = config.rate() / lim
                 p99 = median(config.values("wait_p99_us"))
                 # Best: meets both; else keeps up with the limit at the lowest tail.
                 candidates.append((ratio >= 0.95 and p99 <= torch_p99 / 2, ratio >= 0.95, -p99, ratio, mode))
+            if failed:  # a mode that crashed is a miss, whatever the others did
+                parts.append(f"W={workers}: failed in {', '.join(failed)}")
+                verdicts.append(False)
+                continue
             if not candidates:
                 continue
             met, _, negative_p99, ratio, mode = max(candidates)
@@ -436,6 +473,9 @@ class Report:
         parts = []
         for workers in self.workers_of("W6"):
             config = self.get("conveyor", "W6", workers)
+            if self.outcome("conveyor", "W6", workers) is FAILED:
+                parts.append(f"conveyor W={workers}: failed")
+                continue
             if not config or not config.rate():
                 continue
             cpu = config.cpu_per_timed_second()
@@ -449,7 +489,8 @@ class Report:
                         part += f", {config.rate() / rate:.2f}x {other} W={other_workers}"
             parts.append(part)
         self.target("W6-http (reported, no target): conveyor's async GETs against a GET per worker",
-                    "; ".join(parts) or "-", None if not parts else True)
+                    "; ".join(parts) or "-",
+                    None if not parts else not any(part.endswith(": failed") for part in parts))
         self.ratio_target("W5 >= 3x Python", "W5", self.workers_of("W5"), conveyor("W5"), peer("python", "W5"), 3)
         parts, verdicts = [], []
         for workers in self.workers_of("W1"):

@@ -13,6 +13,7 @@ import pwd
 import grp
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -252,13 +253,19 @@ class Suite:
             full = [self.time_bin, "-v", "-o", time_file] + command
         else:
             full = command
+        # A session of its own: a timeout kills the driver with /usr/bin/time.
+        # Killing time alone left the driver running, holding the pipes that
+        # communicate() waits on: one hung driver hung the suite.
         process = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=ROOT)
+                                   cwd=ROOT, start_new_session=True)
         try:
             stdout, stderr = process.communicate(timeout=self.timeout)
             rc = process.returncode
         except subprocess.TimeoutExpired:
-            process.kill()
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             stdout, stderr = process.communicate()
             rc = "timeout"
         usage["wall_s"] = time.monotonic() - started
@@ -466,6 +473,9 @@ class Suite:
                              f" of {metrics['window']}")
                 print(line, flush=True)
             self.runs.append(record)
+            # What ran so far survives a suite cut short (killed, a machine
+            # lost): results.partial.json, replaced after every run.
+            self.write(partial=True)
         self.write()
 
     def machine(self):
@@ -482,7 +492,7 @@ class Suite:
             pass
         return info
 
-    def write(self):
+    def write(self, partial=False):
         document = {
             "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "duration_s": time.time() - self.started,
@@ -495,10 +505,15 @@ class Suite:
             "notes": self.notes,
             "runs": self.runs,
         }
-        path = os.path.join(self.out, "results.json")
-        with open(path, "w") as f:
+        partial_path = os.path.join(self.out, "results.partial.json")
+        path = partial_path if partial else os.path.join(self.out, "results.json")
+        with open(path + ".tmp", "w") as f:
             json.dump(document, f, indent=1)
-        print(f"wrote {path}", flush=True)
+        os.replace(path + ".tmp", path)
+        if not partial:
+            if os.path.exists(partial_path):
+                os.unlink(partial_path)
+            print(f"wrote {path}", flush=True)
 
 
 def main():

@@ -77,7 +77,9 @@ class DataLoader {
   class Epoch {
    public:
     // The next batch, or std::nullopt at the end. Throws WorkerError for a
-    // batch that failed; calling again goes on with the next batch.
+    // batch that failed; calling again goes on with the next batch. A
+    // warning handler that throws (warnings as errors) about a batch has
+    // that batch returned and its error thrown by the next call.
     std::optional<batch_type> next() {
       const auto asked = std::chrono::steady_clock::now();
       struct CountWait {  // counts the wait whether next() returns or throws
@@ -85,6 +87,9 @@ class DataLoader {
         int64_t& total;
         ~CountWait() { total += detail::nanoseconds_since(asked); }
       } count_wait{asked, wait_ns_};
+      // A warning the last batch raised (see below), before anything more
+      // is fetched.
+      if (warning_error_) std::rethrow_exception(std::exchange(warning_error_, nullptr));
       // Initialised from the call, not assigned: no extra move of the batch.
       std::optional<batch_type> batch = [this] {
         try {
@@ -98,7 +103,13 @@ class DataLoader {
       }();
       if (batch) {
         progress_->commit_received();
-        note_yielded();
+        // A warning handler that throws (warnings as errors) has its error
+        // thrown by the next call: this batch is the consumer's, not lost.
+        try {
+          note_yielded();
+        } catch (...) {
+          warning_error_ = std::current_exception();
+        }
       } else {
         progress_->commit_end();
         // The epoch's time is up to its end, not up to when metrics are
@@ -144,6 +155,7 @@ class DataLoader {
         wall_ns_at_end_ = other.wall_ns_at_end_;
         wait_ns_ = other.wait_ns_;
         yielded_ = other.yielded_;
+        warning_error_ = std::exchange(other.warning_error_, nullptr);
       }
       return *this;
     }
@@ -224,6 +236,7 @@ class DataLoader {
     int64_t wall_ns_at_end_ = -1;  // from started_ to the first end next() saw; -1 before
     int64_t wait_ns_ = 0;
     size_t yielded_ = 0;
+    std::exception_ptr warning_error_;  // what the last batch's warning threw, for the next call
   };
 
   // Range-for support: an input iterator over one epoch. If ++ throws, the

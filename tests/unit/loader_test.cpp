@@ -148,6 +148,63 @@ TEST(Loader, IterableDatasetBatchesAndDropLast) {
   EXPECT_EQ(drop.size(), 2u);
 }
 
+// Warnings as errors (Python's simplefilter("error")): the batch the length
+// warning is about is returned, and the next call throws the warning before
+// fetching more (PyTorch's __next__ loses that batch); a state taken then
+// resumes after it.
+TEST(Loader, AWarningHandlerThatThrowsLosesNoBatch) {
+  StridedStream stream(10, 4);  // claims 4 samples, has 10: batches 3 to 5 warn
+  auto previous = conveyor::set_warning_handler(
+      [](const std::string& m) { throw conveyor::ValueError("warnings are errors: " + m); });
+  for (const int workers : {0, 2}) {
+    SCOPED_TRACE("num_workers " + std::to_string(workers));
+    conveyor::DataLoader loader(stream, {.batch_size = 2, .num_workers = workers});
+    EXPECT_EQ(loader.size(), 2u);  // the warning compares against len(), once asked
+    std::vector<int64_t> got;
+    std::vector<std::string> errors;
+    std::string state_after_first_error;
+    size_t received_at_first_error = 0;
+    size_t batches = 0;
+    auto epoch = loader.iter();
+    while (true) {
+      try {
+        auto batch = epoch.next();
+        if (!batch) break;
+        got.insert(got.end(), batch->values().begin(), batch->values().end());
+        ++batches;
+      } catch (const conveyor::ValueError& error) {
+        errors.push_back(error.what());
+        if (state_after_first_error.empty()) {
+          state_after_first_error = loader.state_dict().to_json();
+          received_at_first_error = got.size();
+        }
+      }
+    }
+    std::vector<int64_t> sorted = got;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int64_t> all(10);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(sorted, all);
+    EXPECT_EQ(got.size(), 10u);
+    // Two replicas split the 10 samples 5 and 5: 6 batches.
+    EXPECT_EQ(batches, workers == 0 ? 5u : 6u);
+    ASSERT_EQ(errors.size(), batches - 2);  // one for each batch past len() = 2
+    EXPECT_NE(errors[0].find("but 3 batches have been fetched"), std::string::npos) << errors[0];
+
+    conveyor::set_warning_handler([](const std::string&) {});
+    conveyor::DataLoader resumed(stream, {.batch_size = 2, .num_workers = workers});
+    EXPECT_EQ(resumed.size(), 2u);
+    resumed.load_state_dict(conveyor::State::from_json(state_after_first_error));
+    std::vector<int64_t> rest;
+    for (auto& batch : resumed) rest.insert(rest.end(), batch.values().begin(), batch.values().end());
+    EXPECT_EQ(received_at_first_error, 6u);  // batch 3 came, then its warning
+    EXPECT_EQ(rest, std::vector<int64_t>(got.begin() + 6, got.end()));
+    conveyor::set_warning_handler(
+        [](const std::string& m) { throw conveyor::ValueError("warnings are errors: " + m); });
+  }
+  conveyor::set_warning_handler(previous);
+}
+
 TEST(Loader, IterableDatasetThatYieldsMoreThanItsLengthWarnsAtEveryItemPastIt) {
   // PyTorch warns each time, naming the dataset; conveyor says what it counts.
   StridedStream stream(10, 4);  // claims 4 samples, has 10

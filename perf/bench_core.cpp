@@ -111,4 +111,24 @@ void BM_LoaderLoadStateDict(benchmark::State& state) {
 }
 BENCHMARK(BM_LoaderLoadStateDict)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
+// A node's decision log in a checkpoint: Arg 26-bit integers as JSON text,
+// parsed (packed, 8 bytes a value) and written back. Peak memory of a whole
+// load is measured with /usr/bin/time in the commit that packed them.
+void BM_StateIntegerList(benchmark::State& state) {
+  std::vector<uint64_t> values(static_cast<size_t>(state.range(0)));
+  uint64_t x = 88172645463325252ull;
+  for (uint64_t& value : values) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    value = x & ((1u << 26) - 1);
+  }
+  const std::string text = conveyor::State::list(values).to_json();
+  for (auto _ : state) {
+    const conveyor::State parsed = conveyor::State::from_json(text);
+    benchmark::DoNotOptimize(parsed.to_json().size());
+  }
+  state.SetItemsProcessed(state.iterations() * state.range(0));
+  state.counters["text_bytes"] = static_cast<double>(text.size());
+}
+BENCHMARK(BM_StateIntegerList)->Arg(1 << 20)->Unit(benchmark::kMillisecond);
+
 }  // namespace

@@ -349,12 +349,22 @@ class Pipeline {
   //
   // state(): where the consumer of the current pass is (the outputs it
   // received, errors included, and what timing decided upstream), or, with
-  // no pass going on, the next pass. load_state() into a pipeline built the
+  // no pass going on or a loaded one not yet begun, the next pass. load_state() into a pipeline built the
   // same way makes its next pass() hand out exactly what the saved one had
   // not, then the passes after it. The fingerprint holds the graph's shape
   // (its nodes' names, sources first), the seed and the shard.
   State state() const {
     State out = state_envelope("conveyor.Pipeline", fingerprint());
+    // A loaded state whose pass has not begun is the next pass: saved
+    // again, it must resume where it does (reporting the last pass, or a
+    // fresh one, handed its items out twice).
+    if (resume_) {
+      out.set("epoch", resume_->epoch);
+      out.set("received", resume_->received);
+      out.set("errors", resume_->errors);
+      out.set("nodes", resume_->nodes);
+      return out;
+    }
     const bool in_pass = progress_ && progress_->live && !progress_->ended;
     out.set("epoch", in_pass ? progress_->epoch : epoch_);
     out.set("received", in_pass ? progress_->received : uint64_t{0});

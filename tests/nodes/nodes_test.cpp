@@ -580,6 +580,21 @@ TEST(Transforms, MapFilterFlatMapAndUnbatch) {
   EXPECT_EQ(one_pass(round_trip), iota(7));
 }
 
+// A range that views the item it was made from (the usual way to write
+// one) is read after f returns: the item lives as long as its range. Under
+// ASan the old code read a destroyed vector (stack-use-after-scope).
+TEST(Transforms, FlatMapOfAViewOfItsItemReadsTheItem) {
+  std::vector<std::vector<std::string>> items;
+  for (int i = 0; i < 4; ++i) items.emplace_back(50, std::string(40, static_cast<char>('a' + i)));
+  auto views = nodes::from_vector(items) | nodes::flat_map([](const std::vector<std::string>& strings) {
+                 return strings | std::views::transform([](const std::string& s) { return s.substr(0, 2); });
+               });
+  std::vector<std::string> expected;
+  for (int i = 0; i < 4; ++i) expected.insert(expected.end(), 50, std::string(2, static_cast<char>('a' + i)));
+  EXPECT_EQ(one_pass(views), expected);
+  EXPECT_EQ(one_pass(views), expected);  // a second pass, after the first's last range
+}
+
 TEST(Transforms, BatchDropLastAndCollate) {
   auto keep = nodes::from_range(0, 7) | nodes::batch(3);
   EXPECT_EQ(one_pass(keep), (std::vector<std::vector<int64_t>>{{0, 1, 2}, {3, 4, 5}, {6}}));

@@ -142,6 +142,40 @@ TEST(PipelineResume, RandomGraphsResumeExactlyAnywhereWithAnyWorkerCount) {
 // Join's order is timing's: a resumed pass takes from each source what the
 // saved pass had not, whatever order it takes it in now; behind a filter
 // (which replays by pulling) it hands the saved order out again.
+// A state saved again after load_state() and before the pass it resumes
+// (a restore-then-checkpoint loop, a crash before the first item) is the
+// loaded one, whether the pipeline is fresh or has a pass of its own going.
+TEST(PipelineResume, AStateSavedBeforeTheLoadedPassBeginsIsTheLoadedOne) {
+  auto make = [] {
+    std::vector<int64_t> values(10);
+    std::iota(values.begin(), values.end(), 0);
+    return nodes::from_vector(values) | nodes::flat_map([](int64_t x) { return std::vector<int64_t>(2, x); });
+  };
+  Pipeline<int64_t> saved_from = make();
+  auto pass = saved_from.pass();
+  std::vector<int64_t> head;
+  for (int i = 0; i < 5; ++i) head.push_back(*pass.next());
+  const State saved = saved_from.state();
+
+  Pipeline<int64_t> fresh = make();
+  fresh.load_state(saved);
+  const State again = fresh.state();
+  EXPECT_EQ(again.uint_at("received"), 5u);
+  Pipeline<int64_t> busy = make();
+  auto busy_pass = busy.pass();
+  for (int i = 0; i < 12; ++i) (void)busy_pass.next();
+  busy.load_state(saved);
+  EXPECT_EQ(busy.state().uint_at("received"), 5u);
+
+  Pipeline<int64_t> resumed = make();
+  resumed.load_state(again);
+  std::vector<int64_t> all = head;
+  for (int64_t value : resumed.pass()) all.push_back(value);
+  std::vector<int64_t> expected;
+  for (int64_t x = 0; x < 10; ++x) expected.insert(expected.end(), 2, x);
+  EXPECT_EQ(all, expected);
+}
+
 TEST(PipelineResume, JoinResumesWithWhatEachSourceHadLeft) {
   for (const bool filtered : {false, true}) {
     auto make = [filtered] {

@@ -125,20 +125,20 @@ class FlatMap final
           // A lazy range that throws as it is read: the item's error, named,
           // and the rest of its range dropped (read again, the same element
           // would throw for ever).
-          current_.reset();
+          drop_range();
           conveyor::detail::throw_node_error(name(), this->position());
         }
       }
-      current_.reset();
-      std::optional<In> item = this->pull();
-      if (!item) return std::nullopt;
+      drop_range();
+      input_ = this->pull();
+      if (!input_) return std::nullopt;
       generator_.emplace(Generator::for_item(this->seed_of(this->position())));
       const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
       try {
-        current_.emplace(f_(std::move(*item)));
+        current_.emplace(f_(std::move(*input_)));
         it_ = std::ranges::begin(*current_);
       } catch (...) {
-        current_.reset();
+        drop_range();
         conveyor::detail::throw_node_error(name(), this->position());
       }
     }
@@ -146,10 +146,18 @@ class FlatMap final
   std::string name() const override { return "flat_map"; }
 
  protected:
-  void start_pass() override { current_.reset(); }
+  void start_pass() override { drop_range(); }
 
  private:
+  void drop_range() noexcept {
+    current_.reset();  // first: it may view the input
+    input_.reset();
+  }
+
   F f_;
+  // The item f was given lives as long as its range: a range that views
+  // its argument (v | views::transform(g)) reads it as it goes.
+  std::optional<In> input_;
   std::optional<Range> current_;
   std::ranges::iterator_t<Range> it_{};
   std::optional<Generator> generator_;  // current_'s item's

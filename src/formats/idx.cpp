@@ -1,4 +1,4 @@
-// The IDX reader: one read, one decompression into one buffer, items as views.
+// The IDX reader: one read (gzip streamed through zlib), one buffer, items as views.
 #include "conveyor/idx.h"
 
 #include <fcntl.h>
@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <limits>
 #include <new>
+#include <optional>
+#include <stdexcept>
 #include <system_error>
 #include <utility>
 
@@ -92,19 +94,92 @@ bool is_gzip(std::span<const uint8_t> bytes) {
 // (the uncompressed size mod 2^32) when it is plausible, else a guess. Only
 // a hint; the output grows when it is wrong, and never past what the IDX
 // header declares.
-size_t initial_output_size(std::span<const uint8_t> compressed) {
-  const uint64_t ceiling = static_cast<uint64_t>(compressed.size()) * kMaxTrustedRatio;
-  uint64_t hint = static_cast<uint64_t>(compressed.size()) * 4;
-  if (compressed.size() >= kGzipTrailerBytes) {
-    const uint8_t* isize = compressed.data() + compressed.size() - 4;
-    hint = static_cast<uint64_t>(isize[0]) | static_cast<uint64_t>(isize[1]) << 8 |
-           static_cast<uint64_t>(isize[2]) << 16 | static_cast<uint64_t>(isize[3]) << 24;
-  }
-  hint = std::min(hint, ceiling);
+size_t initial_output_size(uint64_t compressed_bytes, std::optional<uint32_t> trailer_isize) {
+  const uint64_t ceiling = compressed_bytes * kMaxTrustedRatio;
+  const uint64_t hint = trailer_isize ? *trailer_isize : compressed_bytes * 4;
   // One spare byte: the reader asks for one byte past the declared size to
   // see whether the data goes on, so an exact hint would regrow at the end.
-  return static_cast<size_t>(std::max<uint64_t>(hint + 1, kMinimumOutputBytes));
+  return static_cast<size_t>(std::max<uint64_t>(std::min(hint, ceiling) + 1, kMinimumOutputBytes));
 }
+
+// The compressed bytes, from memory or from a file. A file is read a chunk
+// at a time as the inflater asks, so what lies after the data's end (a
+// sparse tail of gigabytes, say) is never read whole: only enough of it to
+// tell another gzip member from trailing garbage.
+class CompressedInput {
+ public:
+  explicit CompressedInput(std::span<const uint8_t> bytes)
+      : window_(bytes), total_bytes_(bytes.size()) {}
+
+  // `start`: the file's first bytes, already read from `fd`, which is left
+  // at the offset just past them; `file_bytes` is fstat's size.
+  CompressedInput(int fd, std::vector<uint8_t> start, uint64_t file_bytes, const std::string& path)
+      : fd_(fd), path_(&path), buffer_(std::move(start)), total_bytes_(file_bytes) {
+    window_ = buffer_;
+  }
+
+  // Bytes not yet consumed that are at hand now.
+  std::span<const uint8_t> available() const noexcept { return window_; }
+
+  void consume(size_t count) noexcept {
+    window_ = window_.subspan(count);
+    consumed_ += count;
+  }
+
+  // Makes at least `count` bytes available, reading more of the file if it
+  // must; false when the input ends with fewer.
+  bool ensure(size_t count) {
+    while (window_.size() < count && fd_ >= 0 && !end_of_file_) {
+      // Keep the unconsumed bytes, then read a chunk after them.
+      std::vector<uint8_t> refilled(window_.size() + kReadChunkBytes);
+      std::copy(window_.begin(), window_.end(), refilled.begin());
+      size_t filled = window_.size();
+      for (;;) {
+        const ssize_t got = ::read(fd_, refilled.data() + filled, refilled.size() - filled);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) throw DataError("cannot read: " + os_reason(errno), *path_);
+        if (got == 0) end_of_file_ = true;
+        filled += static_cast<size_t>(got);
+        break;
+      }
+      refilled.resize(filled);
+      buffer_ = std::move(refilled);
+      window_ = buffer_;
+    }
+    return window_.size() >= count;
+  }
+
+  uint64_t consumed() const noexcept { return consumed_; }
+  // The whole input's size as far as it is known (a file may grow).
+  uint64_t total_bytes() const noexcept {
+    return std::max<uint64_t>(total_bytes_, consumed_ + window_.size());
+  }
+
+  // The last four bytes (asked before anything is consumed): the ISIZE field
+  // of the last member's trailer.
+  std::optional<uint32_t> trailer_isize() const {
+    if (total_bytes_ < kGzipTrailerBytes) return std::nullopt;
+    uint8_t isize[4];
+    if (fd_ < 0) {
+      std::copy(window_.end() - 4, window_.end(), isize);
+    } else if (::pread(fd_, isize, 4, static_cast<off_t>(total_bytes_ - 4)) != 4) {
+      return std::nullopt;  // only a hint: the output grows instead
+    }
+    return static_cast<uint32_t>(isize[0]) | static_cast<uint32_t>(isize[1]) << 8 |
+           static_cast<uint32_t>(isize[2]) << 16 | static_cast<uint32_t>(isize[3]) << 24;
+  }
+
+ private:
+  static constexpr size_t kReadChunkBytes = size_t{1} << 20;
+
+  int fd_ = -1;  // not owned; -1 for bytes in memory
+  const std::string* path_ = nullptr;
+  std::vector<uint8_t> buffer_;
+  std::span<const uint8_t> window_;
+  uint64_t total_bytes_ = 0;
+  uint64_t consumed_ = 0;
+  bool end_of_file_ = false;
+};
 
 // Inflates a gzip file a piece at a time, so that the caller can stop at the
 // size the data should have: the output grows with what really decompresses
@@ -115,8 +190,10 @@ size_t initial_output_size(std::span<const uint8_t> compressed) {
 // rejected as trailing garbage.
 class GzipReader {
  public:
-  GzipReader(std::span<const uint8_t> compressed, const std::string& name)
-      : compressed_(compressed), name_(name), first_output_size_(initial_output_size(compressed)) {
+  GzipReader(CompressedInput& input, const std::string& name)
+      : input_(input),
+        name_(name),
+        first_output_size_(initial_output_size(input.total_bytes(), input.trailer_isize())) {
     // 16 + MAX_WBITS: a gzip wrapper only; zlib then checks each member's
     // CRC32 and ISIZE itself ("incorrect data check", "incorrect length check").
     if (inflateInit2(&stream_, 16 + MAX_WBITS) != Z_OK) {
@@ -134,13 +211,12 @@ class GzipReader {
     // z_stream counts in uInt (32 bits): feed and drain in chunks at most that big.
     constexpr size_t kMaxChunk = std::numeric_limits<uInt>::max();
     while (!ended_ && produced_ < limit) {
-      if (stream_.avail_in == 0 && consumed_ < compressed_.size()) {
-        const size_t chunk = std::min(compressed_.size() - consumed_, kMaxChunk);
-        // zlib does not write through next_in.
-        stream_.next_in = const_cast<Bytef*>(compressed_.data() + consumed_);
-        stream_.avail_in = static_cast<uInt>(chunk);
-        consumed_ += chunk;
-      }
+      input_.ensure(1);
+      const std::span<const uint8_t> available = input_.available();
+      // zlib does not write through next_in.
+      stream_.next_in = const_cast<Bytef*>(available.data());
+      stream_.avail_in = static_cast<uInt>(std::min(available.size(), kMaxChunk));
+      const uInt fed = stream_.avail_in;
       if (produced_ == output_.size()) grow(limit);
       // Never more room than `limit` leaves: produced_ stays <= limit, and
       // avail_out == 0 below means exactly "the limit is reached".
@@ -150,35 +226,35 @@ class GzipReader {
 
       const int status = inflate(&stream_, Z_NO_FLUSH);
       produced_ += room - stream_.avail_out;
-      const size_t input_left = stream_.avail_in + (compressed_.size() - consumed_);
+      input_.consume(fed - stream_.avail_in);
 
       if (status == Z_STREAM_END) {
-        if (input_left == 0) {
+        if (!input_.ensure(1)) {
           ended_ = true;
           break;
         }
-        const uint8_t* next = stream_.next_in;
-        if (stream_.avail_in == 0) next = compressed_.data() + consumed_;  // at a chunk boundary
-        if (input_left >= 2 && next[0] == kGzipMagic0 && next[1] == kGzipMagic1) {
-          inflateReset(&stream_);  // another member: keeps next_in/avail_in
+        if (input_.ensure(2) && input_.available()[0] == kGzipMagic0 &&
+            input_.available()[1] == kGzipMagic1) {
+          inflateReset(&stream_);  // another member
           continue;
         }
-        throw DataError("corrupt gzip stream: " + std::to_string(input_left) +
+        throw DataError("corrupt gzip stream: " +
+                            std::to_string(input_.total_bytes() - input_.consumed()) +
                             " bytes of trailing garbage after the end of the compressed data",
                         name_);
       }
       if (status == Z_DATA_ERROR || status == Z_NEED_DICT) {
         const std::string reason = stream_.msg != nullptr ? stream_.msg : "invalid deflate data";
         throw DataError("corrupt gzip stream (zlib: " + reason + ") after " +
-                            std::to_string(compressed_.size() - input_left) + " of " +
-                            std::to_string(compressed_.size()) + " compressed bytes",
+                            std::to_string(input_.consumed()) + " of " +
+                            std::to_string(input_.total_bytes()) + " compressed bytes",
                         name_);
       }
       if (status == Z_MEM_ERROR) throw DataError("gzip decompression ran out of memory", name_);
       // Z_OK or Z_BUF_ERROR: inflate stopped because it ran out of input or
       // of room. Out of room is the loop's condition or a grow; out of
       // input, with all of it fed, means the stream ends early.
-      if (stream_.avail_out != 0 && input_left == 0) {
+      if (stream_.avail_out != 0 && !input_.ensure(1)) {
         throw DataError("truncated gzip stream: the compressed data ends after " +
                             std::to_string(produced_) +
                             " decompressed bytes, before the end of the gzip member",
@@ -209,12 +285,11 @@ class GzipReader {
     output_.resize(size);
   }
 
-  std::span<const uint8_t> compressed_;
+  CompressedInput& input_;
   const std::string& name_;
   size_t first_output_size_;
   z_stream stream_{};
   std::vector<uint8_t> output_;
-  size_t consumed_ = 0;  // input bytes handed to zlib so far
   size_t produced_ = 0;  // output bytes written so far
   bool ended_ = false;
 };
@@ -313,10 +388,14 @@ IdxHeader read_idx_header(std::span<const uint8_t> bytes, const std::string& nam
   // Products of up to 255 32-bit extents overflow easily; check each step.
   // The whole file's size plus the one byte a gzip reader reads past it
   // must fit too.
-  size_t item_bytes = element_bytes;
+  // An extent of 0 after the first makes every item empty, however large
+  // the others: its size is 0, not an overflow.
+  const bool items_are_empty =
+      std::find(header.dims.begin() + 1, header.dims.end(), 0) != header.dims.end();
+  size_t item_bytes = items_are_empty ? 0 : element_bytes;
   size_t data_bytes = 0;
   bool overflow = false;
-  for (size_t d = 1; d < dimension_count && !overflow; ++d) {
+  for (size_t d = 1; d < dimension_count && !overflow && !items_are_empty; ++d) {
     overflow = __builtin_mul_overflow(item_bytes, static_cast<size_t>(header.dims[d]), &item_bytes);
   }
   if (!overflow) {
@@ -354,7 +433,7 @@ void check_data_size(const IdxHeader& header, size_t found_bytes, const std::str
 // tells a longer stream (trailing data, or a gzip bomb of gigabytes behind
 // a small header) from a complete one without inflating the rest. A stream
 // that ends sooner is returned as it is, and from_buffer reports it short.
-std::vector<uint8_t> gunzip_idx(std::span<const uint8_t> compressed, const std::string& name) {
+std::vector<uint8_t> gunzip_idx(CompressedInput& compressed, const std::string& name) {
   GzipReader gzip(compressed, name);
   gzip.inflate_to(kIdxMagicBytes);
   if (gzip.produced() == kIdxMagicBytes) {
@@ -408,20 +487,36 @@ IdxFile IdxFile::open(const std::string& path) {
       const size_t found_bytes = std::max(file_bytes, contents.size()) - header.header_bytes;
       check_data_size(header, found_bytes, path);
     }
-    read_more(file, file_bytes, std::numeric_limits<size_t>::max(), contents, path);
-    if (is_gzip(contents)) contents = gunzip_idx(contents, path);
+    if (is_gzip(contents)) {
+      // Streamed from the descriptor: inflated only as far as the header
+      // declares, and the compressed bytes after that never read whole.
+      CompressedInput compressed(file.fd, std::move(contents), opened.size, path);
+      contents = gunzip_idx(compressed, path);
+    } else {
+      read_more(file, file_bytes, std::numeric_limits<size_t>::max(), contents, path);
+    }
     return from_buffer(std::make_shared<std::vector<uint8_t>>(std::move(contents)), path);
   } catch (const std::bad_alloc&) {
     // A file that really is bigger than memory: still an error naming it.
     throw DataError("out of memory reading the file (std::bad_alloc)", path);
+  } catch (const std::length_error&) {
+    // Bigger than a vector can be (a sparse file of 2^63 bytes whose header
+    // declares them all): the same error in the end.
+    throw DataError(
+        "out of memory reading the file (std::length_error: more bytes than one buffer can hold)",
+        path);
   }
 }
 
 IdxFile IdxFile::parse(std::span<const uint8_t> bytes, const std::string& name) {
   try {
-    auto buffer = is_gzip(bytes)
-                      ? std::make_shared<std::vector<uint8_t>>(gunzip_idx(bytes, name))
-                      : std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    std::shared_ptr<std::vector<uint8_t>> buffer;
+    if (is_gzip(bytes)) {
+      CompressedInput compressed(bytes);
+      buffer = std::make_shared<std::vector<uint8_t>>(gunzip_idx(compressed, name));
+    } else {
+      buffer = std::make_shared<std::vector<uint8_t>>(bytes.begin(), bytes.end());
+    }
     return from_buffer(std::move(buffer), name);
   } catch (const std::bad_alloc&) {
     throw DataError("out of memory reading the file (std::bad_alloc)", name);

@@ -16,9 +16,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -484,6 +486,27 @@ TEST_F(IdxErrorTest, DimensionsWhoseProductOverflows) {
                     "more bytes than can be addressed");
 }
 
+// An extent of 0 makes the data empty wherever it stands: after three
+// extents of 2^32 - 1 it is no overflow (before the fix it was refused as
+// one, while the same extents with the 0 first were accepted).
+TEST_F(IdxFileTest, AZeroExtentAnywhereMakesEmptyItems) {
+  const uint32_t huge = 0xFFFFFFFFu;
+  for (const std::vector<uint32_t>& dims :
+       std::vector<std::vector<uint32_t>>{{2, huge, huge, huge, 0}, {2, 0, huge, huge, huge}}) {
+    SCOPED_TRACE(testing::PrintToString(dims));
+    const std::vector<uint8_t> bytes = idx_bytes(0x0E, dims, {});
+    for (const IdxFile& file : {IdxFile::parse(bytes, "raw"), IdxFile::parse(gzip(bytes), "gzip"),
+                                IdxFile::open(write("empty-items", bytes))}) {
+      EXPECT_EQ(file.size(), 2u);
+      EXPECT_EQ(file.item_bytes(), 0u);
+      EXPECT_TRUE(file.item(1).empty());
+    }
+  }
+  // One byte of data is then trailing data.
+  expect_open_fails("one-byte-too-many", idx_bytes(0x08, {2, huge, 0}, {1}),
+                    "need 0 data bytes, but the file has 1 more (trailing data)");
+}
+
 // 12a: a valid 1-item [1, 28, 28] header, then 1 GiB of zeros in ~1 MB of
 // gzip. Before the fix the reader inflated all of it (a GiB and more, 9.4 GB
 // for a 3 GiB bomb) before finding it too long; under the cap that was
@@ -530,6 +553,60 @@ TEST_F(IdxErrorTest, RawFileLongerThanItsHeaderDeclaresIsRefusedUnread) {
                 return complaint;
               }),
               testing::ExitedWithCode(0), "");
+}
+
+// A complete gzip member declaring one byte, then a sparse GiB (no disk,
+// reads as zeros). Before the fix open() read the whole file into memory
+// before inflating a byte of it: the GiB was allocated and filled (under the
+// cap, an "out of memory" DataError instead of the trailing garbage).
+TEST_F(IdxErrorTest, SparseTailAfterAGzipMemberIsNotReadWhole) {
+  const std::string path = write("sparse-idx1-ubyte.gz", gzip(idx_bytes(0x08, {1}, {7})));
+  const off_t member_bytes = static_cast<off_t>(std::filesystem::file_size(path));
+  constexpr off_t kFileBytes = off_t{1} << 30;
+  ASSERT_EQ(truncate(path.c_str(), kFileBytes), 0);
+  const std::string garbage =
+      std::to_string(kFileBytes - member_bytes) + " bytes of trailing garbage";
+  EXPECT_EXIT(exit_zero_if_under_cap([&] {
+                rusage usage{};
+                getrusage(RUSAGE_SELF, &usage);
+                const long peak_before_kib = usage.ru_maxrss;
+                std::string complaint = conveyor::testing::data_error_mismatch(
+                    [&] { IdxFile::open(path); }, {path + ": corrupt gzip stream: ", garbage});
+                getrusage(RUSAGE_SELF, &usage);
+                const long growth_mib = (usage.ru_maxrss - peak_before_kib) >> 10;
+                if (complaint.empty() && growth_mib >= 64) {
+                  complaint = "open() raised the peak resident size by " +
+                              std::to_string(growth_mib) + " MiB";
+                }
+                return complaint;
+              }),
+              testing::ExitedWithCode(0), "");
+}
+
+// A raw file of 2^63 - 1 bytes (sparse, on tmpfs) whose header declares all
+// of them: more than any buffer can be. Before the fix the vector's
+// std::length_error escaped instead of a DataError naming the file.
+TEST_F(IdxErrorTest, FileBiggerThanAnyBufferIsADataErrorNamingIt) {
+  // 16 header bytes + 129368331 * 4837853 * 14737 data bytes = 2^63 - 1.
+  const std::vector<uint8_t> header = idx_bytes(0x08, {129368331u, 4837853u, 14737u}, {});
+  const std::string path =
+      "/dev/shm/conveyor-idx-test-huge-" + std::to_string(getpid()) + "-idx3-ubyte";
+  {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), std::streamsize(header.size()));
+    if (!out.good()) GTEST_SKIP() << "cannot write " << path;
+  }
+  const bool sparse = truncate(path.c_str(), std::numeric_limits<off_t>::max()) == 0;
+  const int truncate_error = errno;
+  if (!sparse) {
+    std::remove(path.c_str());
+    GTEST_SKIP() << "/dev/shm holds no sparse file of 2^63 - 1 bytes: "
+                 << std::strerror(truncate_error);
+  }
+  EXPECT_EXIT(exit_zero_on_data_error_under_cap([&] { IdxFile::open(path); },
+                                                {path + ": out of memory reading the file"}),
+              testing::ExitedWithCode(0), "");
+  std::remove(path.c_str());
 }
 
 // A file that really holds what its header declares, 1 GiB, with less

@@ -114,7 +114,8 @@ struct NodeMetrics {
   double busy_seconds = 0;
   double upstream_wait_seconds = 0;
   double downstream_wait_seconds = 0;
-  // Parallel nodes: the window, and how full it was when the consumer asked.
+  // Parallel nodes: the window, and how full it was when the consumer asked
+  // (prefetch: how many items were ready then, counting the one taken).
   size_t window = 0;
   double mean_in_flight = 0;
 };
@@ -191,8 +192,9 @@ class NodeError : public Error, public std::nested_exception {
 
 namespace detail {
 // Rethrows the exception in flight as a NodeError naming `node` and
-// `position`; a NodeError from further upstream passes unchanged. Call
-// inside a catch block.
+// `position`, nesting it (a NodeError too: one from an inner pipeline that
+// user code runs). Call inside a catch block whose try holds only the
+// node's own work: an upstream NodeError must not pass through it.
 [[noreturn]] void throw_node_error(const std::string& node, uint64_t position);
 }  // namespace detail
 

@@ -85,9 +85,11 @@ namespace detail {
 void throw_node_error(const std::string& node, uint64_t position) {
   try {
     throw;
-  } catch (const NodeError&) {
-    throw;  // named where it happened, further upstream
   } catch (const std::exception& error) {
+    // A NodeError too: every caller's try holds only its own node's work
+    // (f, the dataset, a decode), never a pull from upstream, so a NodeError
+    // here came out of user code that runs a pipeline of its own, and its
+    // node and position are that inner pipeline's, not this one's.
     throw NodeError("Caught exception in pipeline node '" + node + "' at item " + std::to_string(position) +
                         ": " + error.what(),
                     node, position);

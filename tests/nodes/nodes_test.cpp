@@ -1033,6 +1033,56 @@ TEST(Transforms, AFlatMapsLazyRangeThatThrowsIsANodeErrorAndThePassGoesOn) {
   }
 }
 
+// A range whose advance throws (a filter view runs its predicate on ++):
+// the element read before the advance is still handed out. Before the fix
+// the element was moved out, ++ threw, and the element was lost ("11").
+TEST(Transforms, AFlatMapsRangeThatThrowsAsItAdvancesLosesNoElement) {
+  auto pipeline = nodes::from_range(0, 3) | nodes::flat_map([](int64_t x) {
+                    return std::views::iota(x * 10, x * 10 + 3) | std::views::filter([](int64_t v) {
+                             if (v == 12) throw std::runtime_error("element 12 fails");
+                             return true;
+                           });
+                  });
+  const auto show = [](int64_t v) { return std::to_string(v); };
+  EXPECT_EQ(outcomes_as_text(pipeline, show),
+            (std::vector<std::string>{"0", "1", "2", "10", "11", "error at 1", "20", "21", "22"}));
+}
+
+// A NodeError thrown by user code (f runs a pipeline of its own) is this
+// node's error, nesting the inner one. Before the fix it passed through
+// unchanged, naming the inner pipeline's filter and its item 7.
+TEST(Transforms, ANodeErrorFromUserCodeIsNamedByTheNodeThatRanIt) {
+  auto outer = nodes::from_range(0, 5) | nodes::map([](int64_t x) {
+                 if (x != 3) return x;
+                 auto inner = nodes::from_range(0, 10) | nodes::filter([](int64_t v) {
+                                if (v == 7) throw std::runtime_error("inner filter fails on 7");
+                                return true;
+                              });
+                 int64_t sum = 0;
+                 for (int64_t v : inner.pass()) sum += v;
+                 return sum;
+               });
+  auto pass = outer.pass();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(pass.next());
+  try {
+    pass.next();
+    FAIL() << "no error";
+  } catch (const conveyor::NodeError& e) {
+    EXPECT_EQ(e.node(), "map");
+    EXPECT_EQ(e.position(), 3u);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'map' at item 3: "), std::string::npos) << what;
+    EXPECT_NE(what.find("'filter' at item 7: inner filter fails on 7"), std::string::npos) << what;
+    try {
+      std::rethrow_exception(e.original());
+    } catch (const conveyor::NodeError& inner) {
+      EXPECT_EQ(inner.node(), "filter");
+      EXPECT_EQ(inner.position(), 7u);
+    }
+  }
+  EXPECT_EQ(pass.next(), std::optional<int64_t>(4));  // the pass goes on
+}
+
 TEST(Combine, ForkGivesEveryConsumerEveryErrorInItsPlace) {
   for (const bool b_first : {false, true}) {
     auto outputs = nodes::fork(nodes::from_range(0, 6) | nodes::map([](int64_t x) {

@@ -116,9 +116,16 @@ class FlatMap final
         // going on where f left it.
         const conveyor::detail::WorkerScope scope(nullptr, &*generator_);
         try {
+          // Advanced only now, when the next element is asked for: an
+          // advance that throws (a filter view's predicate) must not take
+          // the element read before it down with it.
+          if (advance_) {
+            advance_ = false;
+            ++it_;
+          }
           if (it_ != std::ranges::end(*current_)) {
             Out out = std::move(*it_);
-            ++it_;
+            advance_ = true;
             return out;
           }
         } catch (...) {
@@ -152,6 +159,7 @@ class FlatMap final
   void drop_range() noexcept {
     current_.reset();  // first: it may view the input
     input_.reset();
+    advance_ = false;
   }
 
   F f_;
@@ -160,6 +168,7 @@ class FlatMap final
   std::optional<In> input_;
   std::optional<Range> current_;
   std::ranges::iterator_t<Range> it_{};
+  bool advance_ = false;  // it_'s element was handed out: step past it first
   std::optional<Generator> generator_;  // current_'s item's
 };
 

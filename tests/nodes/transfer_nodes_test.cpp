@@ -234,15 +234,58 @@ TEST(ToDevice, UpstreamAndCopyErrorsKeepTheirPlaceAndThePassGoesOn) {
       expect_copied(*item);
       events.push_back(std::to_string(item->host[0] / kBatch));
     } catch (const conveyor::NodeError& e) {
-      EXPECT_EQ(e.node(), "collate");
-      events.push_back("collate error@" + std::to_string(e.position()));
-    } catch (const conveyor::WorkerError& e) {
-      EXPECT_EQ(e.context().stage, "transfer");
+      if (e.node() == "collate") {
+        events.push_back("collate error@" + std::to_string(e.position()));
+        continue;
+      }
+      // A copy that failed is the to_device node's error, at its item.
+      EXPECT_EQ(e.node(), "to_device(2)");
+      EXPECT_NE(std::string(e.what()).find("'to_device(2)' at item 6: "), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("copy engine fault"), std::string::npos) << e.what();
-      events.push_back("copy error");
+      events.push_back("copy error@" + std::to_string(e.position()));
     }
   }
-  EXPECT_EQ(events, (std::vector<std::string>{"0", "1", "2", "collate error@3", "4", "5", "copy error", "7"}));
+  EXPECT_EQ(events,
+            (std::vector<std::string>{"0", "1", "2", "collate error@3", "4", "5", "copy error@6", "7"}));
+}
+
+// A copy that fails after a resume names the batch's place in the whole
+// pass, as it would have without the resume. Before the fix it counted from
+// the resume ("batch 2" for batch 7) and was the loader's WorkerError.
+TEST(ToDevice, ACopyFailingAfterAResumeNamesItsPlaceInThePass) {
+  const auto make = [](std::shared_ptr<TestDevice> device) {
+    return nodes::from_range(0, kBatch * 10) | nodes::batch(kBatch) | nodes::collate() |
+           nodes::to_device(std::move(device), 0);
+  };
+  conveyor::State state;
+  {
+    auto saved = make(test_device());
+    auto pass = saved.pass();
+    for (int k = 0; k < 5; ++k) ASSERT_TRUE(pass.next());
+    state = saved.state();
+  }
+  const auto failure = [&](bool resume) {
+    auto device = test_device();
+    device->fail_copy_number = resume ? 2 : 7;  // batch 7 either way
+    auto pipeline = make(device);
+    if (resume) pipeline.load_state(state);
+    auto pass = pipeline.pass();
+    for (int64_t batch = resume ? 5 : 0; batch < 7; ++batch) {
+      std::optional<nodes::OnDevice<conveyor::Array<int64_t>>> item = pass.next();
+      EXPECT_EQ(item->host[0], batch * kBatch);
+    }
+    try {
+      (void)pass.next();
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_EQ(e.node(), "to_device(0)");
+      EXPECT_EQ(pass.next()->host[0], 8 * kBatch);  // the pass goes on
+      return std::to_string(e.position()) + ": " + e.what();
+    }
+    return std::string("no error");
+  };
+  const std::string fresh = failure(false);
+  EXPECT_EQ(fresh.substr(0, 3), "7: ") << fresh;
+  EXPECT_EQ(failure(true), fresh);
 }
 
 // An item whose second buffer's copy fails: the first one's copy is queued
@@ -265,8 +308,8 @@ TEST(ToDevice, ACopyFailingMidItemFreesNothingItsQueuedCopiesStillUse) {
       try {
         (void)pass.next();
         ADD_FAILURE() << "the failed copy gave an item";
-      } catch (const conveyor::WorkerError& e) {
-        EXPECT_EQ(e.context().stage, "transfer");
+      } catch (const conveyor::NodeError& e) {
+        EXPECT_EQ(e.node(), "to_device(0)");
       }
       EXPECT_EQ(device->frees_while_held.load(), 0) << "freed under a copy still queued";
       device->release_stream();

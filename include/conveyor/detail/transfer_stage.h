@@ -60,6 +60,13 @@ class TransferStage final : public LoaderNode<Batch> {
   }
   std::string name() const override { return "to_device(" + std::to_string(depth_) + ")"; }
 
+  // As a pipeline node (nodes::to_device): a copy that fails is a NodeError
+  // naming the node, not the loader's WorkerError of stage "transfer".
+  void name_copy_errors_as_node() noexcept { copy_errors_name_node_ = true; }
+  // A resumed pass passed over `count` batches before the first pulled:
+  // they count in the positions that errors name.
+  void count_skipped(uint64_t count) noexcept { pulled_ += count; }
+
   std::optional<Batch> next() override {
     if (pending_.empty() && !inner_done_) pull(/*wait=*/true);
     return hand_out();
@@ -177,6 +184,7 @@ class TransferStage final : public LoaderNode<Batch> {
                          std::memory_order_relaxed);
     } catch (...) {
       try {
+        if (copy_errors_name_node_) throw_node_error(name(), index);
         throw_worker_error(std::current_exception(), FailureContext{-1, index, {}, "transfer"});
       } catch (...) {
         entry.error = std::current_exception();
@@ -255,6 +263,7 @@ class TransferStage final : public LoaderNode<Batch> {
   uint64_t id_ = 0;
   bool inner_done_ = false;
   uint64_t pulled_ = 0;      // from the stage before, errors included
+  bool copy_errors_name_node_ = false;
   uint64_t handed_out_ = 0;  // by next(), errors included
   // Read by metrics while a prefetch downstream may run this stage on its
   // thread (see add_metrics): atomic, relaxed, a figure ordering nothing.

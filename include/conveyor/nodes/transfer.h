@@ -101,8 +101,11 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
   // (and unmade, where upstream can skip them too). Called at the pass's
   // start, before the stage holds anything.
   uint64_t skip(uint64_t count, bool clean) override {
-    if (!clean) return Stage<T, OnDevice<T>>::skip(count, clean);
-    return this->skip_upstream(count, clean);
+    const uint64_t skipped =
+        clean ? this->skip_upstream(count, clean) : Stage<T, OnDevice<T>>::skip(count, clean);
+    // Errors name the item's place in the whole pass, resumed or not.
+    if (clean && stage_) stage_->count_skipped(skipped);
+    return skipped;
   }
   // Not waiting: upstream's try_next() feeds the transfer stage.
   Poll try_next(std::optional<OnDevice<T>>& out) override {
@@ -117,6 +120,7 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
   // their memory is freed only after their events).
   void start_pass() override {
     stage_ = std::make_unique<conveyor::detail::TransferStage<T>>(std::make_unique<Upstream>(*this), device_, depth_);
+    stage_->name_copy_errors_as_node();
   }
   void add_own_metrics(NodeMetrics& metrics) const override {
     metrics.window = depth_ + 1;

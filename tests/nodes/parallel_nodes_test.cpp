@@ -9,6 +9,7 @@
 #include <conveyor/nodes.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -18,6 +19,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/pipelines.h"
@@ -148,6 +150,46 @@ TEST(ParallelMap, MetricsSumTheWorkersTimeAndShowTheWindow) {
   EXPECT_EQ(prefetch.window, 3u);
   EXPECT_LE(prefetch.mean_in_flight, 3.0);
   EXPECT_GT(prefetch.upstream_wait_seconds, 0.0);  // the strand waited on the map
+}
+
+// prefetch's mean_in_flight tells a starved prefetch from a full one: the
+// items ready when the consumer took one. Starved: upstream makes item k
+// only once the consumer has asked for it, so exactly one is ready at each
+// take. Full: the consumer asks only once upstream has made every item the
+// window holds. Before the fix both read 8 (it counted jobs submitted, and
+// the window is always full of those).
+TEST(Prefetch, MeanInFlightCountsTheItemsReadyWhenTheConsumerTakesOne) {
+  constexpr int64_t kItems = 40;
+  constexpr int kDepth = 8;
+  const auto mean_ready = [&](bool starved) {
+    std::atomic<int64_t> asked{-1};
+    std::atomic<int64_t> made{0};
+    auto pipeline = nodes::from_range(0, kItems) | nodes::map([&](int64_t x) {
+                      while (starved && asked.load() < x) std::this_thread::yield();
+                      made.fetch_add(1);
+                      return x;
+                    }) |
+                    nodes::prefetch(kDepth);
+    auto pass = pipeline.pass();
+    for (int64_t k = 0; k < kItems; ++k) {
+      asked.store(k);
+      // The window is refilled as next() begins: before asking for item k
+      // the consumer can see at most items up to k + kDepth - 2 made.
+      while (!starved && k > 0 && made.load() < std::min<int64_t>(k + kDepth - 1, kItems)) {
+        std::this_thread::yield();
+      }
+      EXPECT_EQ(pass.next(), std::optional<int64_t>(k));
+    }
+    EXPECT_FALSE(pass.next());
+    return pipeline.metrics().back().mean_in_flight;
+  };
+  EXPECT_EQ(mean_ready(/*starved=*/true), 1.0);
+  // kDepth - 1 or kDepth are ready at each take (the job submitted as next()
+  // began may have run too), fewer only at the first take and as the end
+  // nears.
+  const double full = mean_ready(/*starved=*/false);
+  EXPECT_GT(full, 5.0);
+  EXPECT_LE(full, static_cast<double>(kDepth));
 }
 
 TEST(Prefetch, RunsUpstreamAheadOnItsOwnStrandAndKeepsErrorsInPlace) {

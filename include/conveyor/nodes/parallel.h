@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -390,6 +391,8 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     ended_ = false;
     done_ = false;
     out_.clear();
+    // Nothing runs after the cancel above: no job of the last pass is left.
+    ready_.store(0, std::memory_order_relaxed);
     occupancy_.clear();
     strand_wait_ns_.clear();
     downstream_ns_.clear();
@@ -456,8 +459,15 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   }
   // True with an item in `out`; false at the end (done_).
   bool take(typename Window::Taken&& taken, std::optional<T>& out) {
-    occupancy_.add(window().in_flight() + 1);  // counting the one just taken
     detail::Result<T>& result = taken.payload;
+    // The items ready when the consumer took one, counting it (the window
+    // is always full of jobs submitted, so those would say nothing): 1 when
+    // the consumer waited on upstream, n when the prefetch kept up. Relaxed:
+    // the strand's fetch_add in run() happens before the engine publishes
+    // the job as ready, which this take acquired, so the count includes
+    // this item; later items' increments may or may not be seen, which only
+    // moves a figure for metrics.
+    if (!result.end) occupancy_.add(ready_.fetch_sub(1, std::memory_order_relaxed));
     strand_wait_ns_.add(result.busy_ns);
     if (result.error) std::rethrow_exception(result.error);  // upstream's, already named
     if (result.end) {
@@ -489,6 +499,9 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
     } else {
       advance();
     }
+    // Relaxed: see take(); the engine's release of this job orders it. The
+    // end is no item: it is not counted.
+    if (!out.end) ready_.fetch_add(1, std::memory_order_relaxed);
   }
 
   NodePtr<T> upstream_;  // advanced on the strand only (reset after a cancel)
@@ -497,6 +510,7 @@ class Prefetch final : public Node<T>, private conveyor::detail::SequencedWindow
   bool done_ = false;   // the consumer's: the end was handed out
   bool timed_ = false;  // set by reset, before the strand runs a job of the pass
   detail::Counter<uint64_t> out_;
+  std::atomic<uint64_t> ready_{0};  // items made and not yet taken (not the end)
   detail::Occupancy occupancy_;
   detail::Counter<int64_t> strand_wait_ns_;  // timed passes: the strand's time in upstream
   detail::Counter<int64_t> downstream_ns_;   // timed passes: between an item out and the next call

@@ -394,9 +394,13 @@ class DataLoader {
   // and passed over with SampleIterator::skip()).
   State state_dict() const {
     const Core& core = *core_;
-    State state = state_envelope("conveyor.DataLoader", fingerprint());
     const detail::EpochProgress* progress = core.progress.get();
-    if (progress && progress->live && !progress->ended) {
+    const bool epoch_live = progress && progress->live && !progress->ended;
+    // A loaded state whose epoch has not begun yet: the loader stands
+    // exactly there (saved again now, it must not restart that epoch).
+    if (!epoch_live && core.pending_resume) return *core.pending_resume_state;
+    State state = state_envelope("conveyor.DataLoader", fingerprint());
+    if (epoch_live) {
       state.set("next_epoch", progress->epoch);
       state.set("start", progress->start);
       State epoch = detail::position_to_state(progress->position);
@@ -463,6 +467,7 @@ class DataLoader {
     apply_epoch_start(start);
     core.epoch = next_epoch;
     if (resume) resume->epoch = next_epoch;
+    core.pending_resume_state = resume ? std::optional<State>(state) : std::nullopt;
     core.pending_resume = std::move(resume);
     core.progress.reset();
   }

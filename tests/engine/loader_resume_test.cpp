@@ -580,6 +580,62 @@ Outputs epoch_or_error(L& loader) {
   return out;
 }
 
+// A state saved right after load_state_dict(), before the resumed epoch
+// has begun or handed anything out, is the loaded one: resumed, it hands
+// out what the first state had not. Before the fix state_dict() ignored
+// the pending resume and said "the start of the epoch": resumed, it handed
+// out again the 3 batches the consumer already had.
+TEST(LoaderResume, AStateSavedBeforeTheResumedEpochRunsIsTheLoadedOne) {
+  auto dataset = std::make_shared<DrawingDataset>(30, std::set<size_t>{});  // 8 batches
+  for (const int workers : {0, 2}) {
+    for (const Scheduling scheduling : {Scheduling::work_stealing, Scheduling::round_robin}) {
+      SCOPED_TRACE(std::to_string(workers) + " workers, " +
+                   (scheduling == Scheduling::round_robin ? "round_robin" : "work_stealing"));
+      const LoaderOptions options{.batch_size = 4, .shuffle = true, .num_workers = workers, .seed = 5,
+                                  .scheduling = scheduling};
+      // With 0 workers under round_robin the dataset draws from the
+      // process's generator: the same for the reference and the saver.
+      conveyor::manual_seed(1234);
+      Loader reference(dataset, options);
+      const Outputs all = epoch_or_error(reference);
+      ASSERT_EQ(all.size(), 8u);
+      const Outputs rest(all.begin() + 3, all.end());
+
+      conveyor::manual_seed(1234);
+      Loader saver(dataset, options);
+      State state;
+      {
+        auto epoch = saver.iter();
+        Outputs taken;
+        for (int k = 0; k < 3; ++k) ASSERT_TRUE(take_one<Loader>(epoch, taken));
+        state = saver.state_dict();
+      }
+      // Saved again at once, through JSON, twice over.
+      Loader loaded(dataset, options);
+      loaded.load_state_dict(state);
+      const State again = State::from_json(loaded.state_dict().to_json());
+      Loader twice(dataset, options);
+      twice.load_state_dict(again);
+      const State twice_again = twice.state_dict();
+      Loader resumed(dataset, options);
+      resumed.load_state_dict(twice_again);
+      EXPECT_EQ(epoch_or_error(resumed), rest);
+
+      // Saved after the resumed epoch began, before its first batch.
+      Loader started(dataset, options);
+      started.load_state_dict(state);
+      State at_start;
+      {
+        auto epoch = started.iter();
+        at_start = started.state_dict();
+      }
+      Loader resumed_at_start(dataset, options);
+      resumed_at_start.load_state_dict(at_start);
+      EXPECT_EQ(epoch_or_error(resumed_at_start), rest);
+    }
+  }
+}
+
 // A refused load changes nothing: every field is read and checked before the
 // first is applied (persistent_base_seed was read after the sampler and the
 // generators had been put back).

@@ -147,6 +147,8 @@ struct LoaderCore {
   // epoch's fetch+collate to pass over (resume).
   std::shared_ptr<EpochProgress> progress;
   std::optional<LoaderResume> pending_resume;
+  // The state pending_resume was read from: state_dict() until it is used.
+  std::optional<State> pending_resume_state;
   std::optional<LoaderResume> resume;
   std::shared_ptr<WorkerPool<D, C>> persistent_pool;
 

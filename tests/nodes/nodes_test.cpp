@@ -622,6 +622,64 @@ TEST(Transforms, PaddedBatchPadsEveryDimensionToTheLargest) {
             (std::vector<int>{20, 21, -1, 30, 31, 32}));
 }
 
+// A default Array() (shape [] without an element) is refused, naming it,
+// as collate's stacking refuses it. Before the fix its slot silently held
+// the pad value: a batch [7, -1] with an element that never existed.
+TEST(Transforms, PaddedBatchRefusesAnEmptyArrayItWouldInventAnElementFor) {
+  conveyor::Array<int> scalar(std::vector<int64_t>{});
+  scalar[0] = 7;
+  auto pipeline = nodes::from_vector(std::vector<conveyor::Array<int>>{scalar, conveyor::Array<int>()}) |
+                  nodes::padded_batch<int>(2, -1);
+  auto pass = pipeline.pass();
+  try {
+    const auto batch = pass.next();
+    FAIL() << "no error; batch of shape " << conveyor::shape_string(batch->shape());
+  } catch (const conveyor::NodeError& e) {
+    EXPECT_EQ(e.node(), "collate");
+    EXPECT_NE(std::string(e.what()).find("item 1 is an empty Array()"), std::string::npos) << e.what();
+  }
+}
+
+// drop_last decides which items come out: a state of batch(4) does not
+// load into batch(4, drop_last=true). Before the fix both were "batch(4)".
+TEST(Transforms, DropLastIsPartOfABatchsFingerprint) {
+  auto saver = nodes::from_range(0, 10) | nodes::batch(4);
+  conveyor::State state;
+  {
+    auto pass = saver.pass();
+    ASSERT_TRUE(pass.next());
+    state = saver.state();
+  }
+  auto dropping = nodes::from_range(0, 10) | nodes::batch(4, /*drop_last=*/true);
+  EXPECT_EQ(dropping.metrics().back().name, "batch(4, drop_last=true)");
+  EXPECT_THROW(dropping.load_state(state), conveyor::StateError);
+  auto same = nodes::from_range(0, 10) | nodes::batch(4);
+  same.load_state(state);
+  EXPECT_EQ(one_pass(same), (std::vector<std::vector<int64_t>>{{4, 5, 6, 7}, {8, 9}}));
+}
+
+// batch(SIZE_MAX), everything in one batch, resumes after that batch.
+// Before the fix the skip's arithmetic wrapped round: "pass 0 ended after 0
+// items, but the state's consumer had received 1".
+TEST(Transforms, AllInOneBatchResumesPastIt) {
+  constexpr size_t kAll = std::numeric_limits<size_t>::max();
+  for (const int received : {0, 1}) {
+    SCOPED_TRACE(std::to_string(received) + " batches received");
+    auto saver = nodes::from_range(0, 5) | nodes::batch(kAll);
+    conveyor::State state;
+    {
+      auto pass = saver.pass();
+      if (received) {
+        ASSERT_EQ(pass.next()->size(), 5u);
+      }
+      state = saver.state();
+    }
+    auto resumed = nodes::from_range(0, 5) | nodes::batch(kAll);
+    resumed.load_state(conveyor::State::from_json(state.to_json()));
+    EXPECT_EQ(one_pass(resumed).size(), received ? 0u : 1u);
+  }
+}
+
 TEST(Shuffle, ASeededBufferGivesEveryItemOnceInAnOrderFixedBySeedAndEpoch) {
   auto make = [](uint64_t seed) {
     auto p = nodes::from_range(0, 50) | nodes::shuffle(8);

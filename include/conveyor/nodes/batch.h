@@ -49,13 +49,20 @@ class Batch final : public Stage<T, std::vector<T>> {
     items_.reserve(std::min<size_t>(size_, 1024));
     return out;
   }
-  std::string name() const override { return "batch(" + std::to_string(size_) + ")"; }
+  // drop_last changes which items come out: in the name, so in a state's
+  // fingerprint too.
+  std::string name() const override {
+    return "batch(" + std::to_string(size_) + (drop_last_ ? ", drop_last=true)" : ")");
+  }
   // `size` items a batch when none failed (a failed item would not have
-  // been in its batch).
+  // been in its batch). Saturating: a size near 2^64 ("all in one batch")
+  // must not wrap round.
   uint64_t skip(uint64_t count, bool clean) override {
     if (!clean) return Stage<T, std::vector<T>>::skip(count, clean);
-    const uint64_t items = this->skip_upstream(count * size_, clean);
-    const uint64_t batches = drop_last_ ? items / size_ : (items + size_ - 1) / size_;
+    const uint64_t size = size_;
+    const uint64_t wanted = count > UINT64_MAX / size ? UINT64_MAX : count * size;
+    const uint64_t items = this->skip_upstream(wanted, clean);
+    const uint64_t batches = items / size + (!drop_last_ && items % size != 0 ? 1 : 0);
     return std::min(count, batches);
   }
 
@@ -119,6 +126,12 @@ Array<U> pad_and_stack(std::vector<Array<U>>&& arrays, U pad) {
   const size_t rank = arrays.front().shape().size();
   std::vector<int64_t> extents(rank, 0);
   for (size_t i = 0; i < arrays.size(); ++i) {
+    // Shape [] like a scalar but no element: padding would invent one, as
+    // stacking would (stack_arrays refuses it too).
+    if (arrays[i].dim() == 0 && arrays[i].numel() == 0) {
+      throw ValueError("padded_batch: item " + std::to_string(i) +
+                       " is an empty Array() (shape [] without an element); there is nothing to pad");
+    }
     if (arrays[i].shape().size() != rank) {
       throw ValueError("padded_batch: every item needs " + std::to_string(rank) + " dimensions, but item " +
                        std::to_string(i) + " has shape " + shape_string(arrays[i].shape()));

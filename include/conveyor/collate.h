@@ -281,6 +281,10 @@ auto collate_maps(std::vector<Map>&& batch) {
 // torch.utils.data.default_collate for one batch of samples.
 template <class T>
 auto default_collate(std::vector<T>&& batch) {
+  // An empty batch is refused whatever the sample type, as torch's
+  // default_collate refuses it (batch[0]); a type with collate_traits
+  // decides for itself.
+  if constexpr (!detail::HasCollateTraits<T>) detail::require_nonempty(batch.size());
   if constexpr (detail::HasCollateTraits<T>) {
     return collate_traits<T>::collate(std::move(batch));
   } else if constexpr (std::is_arithmetic_v<T>) {

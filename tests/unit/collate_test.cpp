@@ -187,6 +187,19 @@ TEST(DefaultCollate, UserRulesWinOverTheAggregateRule) {
 
 TEST(DefaultCollate, EmptyStructuredBatchesAreRejected) {
   EXPECT_THROW(default_collate(std::vector<std::vector<int>>{}), conveyor::ValueError);
+  // Every sample type, as torch's default_collate([]) raises for each.
+  // Before the fix numbers, std::arrays, pairs, tuples and aggregates gave
+  // an empty batch of shape [0] without a word.
+  struct Pair {
+    int64_t a;
+    float b;
+  };
+  EXPECT_THROW(default_collate(std::vector<int64_t>{}), conveyor::ValueError);
+  EXPECT_THROW(default_collate(std::vector<std::array<float, 3>>{}), conveyor::ValueError);
+  EXPECT_THROW((default_collate(std::vector<std::pair<int, float>>{})), conveyor::ValueError);
+  EXPECT_THROW((default_collate(std::vector<std::tuple<int, Array<float>>>{})), conveyor::ValueError);
+  EXPECT_THROW(default_collate(std::vector<Pair>{}), conveyor::ValueError);
+  EXPECT_THROW(default_collate(std::vector<std::string>{}), conveyor::ValueError);
 }
 
 TEST(DefaultConvert, PassesSamplesThrough) {

@@ -30,10 +30,25 @@ class DataError : public Error {
  private:
   static std::string describe(const std::string& what, const std::string& file,
                               const std::string& member, int64_t sample) {
-    std::string text = file.empty() ? std::string("<memory>") : file;
-    if (!member.empty()) text += ", member '" + member + "'";
+    std::string text = file.empty() ? std::string("<memory>") : printable(file);
+    if (!member.empty()) text += ", member '" + printable(member) + "'";
     if (sample >= 0) text += ", sample " + std::to_string(sample);
     return text + ": " + what;
+  }
+
+  // A NUL byte written as \0: what() is a C string, and a name holding one
+  // (refused as a path) would cut the message short there.
+  static std::string printable(const std::string& name) {
+    std::string out;
+    out.reserve(name.size());
+    for (char c : name) {
+      if (c == '\0') {
+        out += "\\0";
+      } else {
+        out += c;
+      }
+    }
+    return out;
   }
 
   std::string reason_;

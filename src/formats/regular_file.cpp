@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <string>
 #include <system_error>
 
 namespace conveyor::detail {
@@ -26,6 +27,11 @@ std::string os_reason(int error_number) { return std::generic_category().message
 
 OpenedFile open_regular_file(const std::string& path) {
   OpenedFile file;
+  // open() would stop at the NUL and read another file under this name.
+  if (const size_t nul = path.find('\0'); nul != std::string::npos) {
+    file.problem = "cannot open: the path holds a NUL byte at offset " + std::to_string(nul);
+    return file;
+  }
   do {
     file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   } while (file.fd < 0 && errno == EINTR);

@@ -4,6 +4,7 @@
 #include "conveyor/nodes/files_async.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -240,6 +241,11 @@ class UringReader final : public FileReader {
       {
         std::lock_guard lock(mutex_);
         stopping_ = true;
+        // Files not opened yet belong to a node that is going: dropped,
+        // delivering nothing (as the thread pool drops its queue).
+        for (Request* waiting : waiting_) delete waiting;
+        outstanding_ -= waiting_.size();
+        waiting_.clear();
         if (!queued) {
           if (io_uring_sqe* sqe = sqe_locked()) {
             io_uring_prep_nop(sqe);
@@ -263,15 +269,9 @@ class UringReader final : public FileReader {
     request->path = std::move(path);
     request->done = std::move(done);
     std::lock_guard lock(mutex_);
-    io_uring_sqe* sqe = sqe_locked();
-    if (!sqe) {
-      fail(request->done, "io_uring: no submission queue entry free", request->path);
-      return;
-    }
-    io_uring_prep_openat(sqe, AT_FDCWD, request->path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
-    queue_locked(sqe, *request.release());  // the ring's now, until its last step
     ++outstanding_;
-    submit_locked();
+    waiting_.push_back(request.release());  // opened once a place is free
+    pump_locked();
   }
 
  private:
@@ -285,7 +285,61 @@ class UringReader final : public FileReader {
     size_t got = 0;
   };
 
-  explicit UringReader(uint64_t max_bytes) : max_bytes_(max_bytes) {}
+  explicit UringReader(uint64_t max_bytes) : max_bytes_(max_bytes), open_limit_(open_limit()) {}
+
+  // How many files may be open at once: a share of the process's descriptor
+  // limit, whatever max_in_flight is. The window keeps a descriptor from
+  // each file's open to its last read, so a window near RLIMIT_NOFILE made
+  // good files fail with EMFILE (and OnError::skip dropped them).
+  static size_t open_limit() {
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return kMaxOpen;
+    return std::clamp<size_t>(static_cast<size_t>(limit.rlim_cur) / 4, kMinOpen, kMaxOpen);
+  }
+
+  // Opens waiting files in the free places, then submits what is prepared,
+  // until neither moves on. An open place is held from a file's openat
+  // until its request is over (release_locked). Under mutex_.
+  void pump_locked() {
+    while (true) {
+      const size_t waiting_before = waiting_.size();
+      const size_t open_before = open_;
+      admit_locked();
+      if (io_uring_sq_ready(&ring_) == 0) return;
+      submit_locked();
+      if (waiting_.empty() || open_ >= open_limit_) return;
+      // No entry was free, or the kernel took none: where nothing changed,
+      // the next completion (or the ring thread's periodic look) pumps again.
+      if (waiting_.size() == waiting_before && open_ == open_before) return;
+    }
+  }
+
+  // Prepares openats for waiting files while places and entries are free;
+  // submits nothing. Under mutex_.
+  void admit_locked() {
+    while (open_ < open_limit_ && !waiting_.empty()) {
+      Request* next = waiting_.front();
+      if (next->done.cancelled()) {  // its pass is over: nobody wants the bytes
+        waiting_.pop_front();
+        delete next;
+        --outstanding_;
+        continue;
+      }
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (!sqe) return;
+      waiting_.pop_front();
+      io_uring_prep_openat(sqe, AT_FDCWD, next->path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK, 0);
+      queue_locked(sqe, *next);  // the ring's now, until its last step
+      ++open_;
+    }
+  }
+
+  // A request that held an open place is over. Under mutex_.
+  void release_locked(Request* r) {
+    delete r;
+    --outstanding_;
+    --open_;
+  }
 
   // A free entry, submitting what is queued when there is none. Under mutex_.
   io_uring_sqe* sqe_locked() {
@@ -325,8 +379,7 @@ class UringReader final : public FileReader {
       finish_error(*request, rc < 0 ? "io_uring_submit failed: " + os_reason(-rc)
                                     : "io_uring_submit took " + std::to_string(rc) + " of " +
                                           std::to_string(static_cast<unsigned>(rc) + left) + " entries, not this one's");
-      delete request;
-      --outstanding_;
+      release_locked(request);
     }
     queued_.clear();
   }
@@ -334,6 +387,7 @@ class UringReader final : public FileReader {
   void loop() {
     bool wait_failed = false;
     std::vector<Request*> next;  // requests whose next step to submit
+    std::vector<Request*> over;  // requests delivered or failed
     while (true) {
       io_uring_cqe* cqe = nullptr;
       // With EXT_ARG the timeout travels with the wait, no entry submitted
@@ -345,6 +399,7 @@ class UringReader final : public FileReader {
       if (rc == -ETIME) {
         std::lock_guard lock(mutex_);
         if (stopping_ && outstanding_ == 0) return;
+        pump_locked();  // waiting files a failing submit left behind
         continue;
       }
       if (rc < 0) {
@@ -361,7 +416,6 @@ class UringReader final : public FileReader {
       std::lock_guard lock(mutex_);
       unsigned head;
       unsigned seen = 0;
-      size_t finished = 0;
       io_uring_for_each_cqe(&ring_, head, cqe) {
         ++seen;
         void* data = io_uring_cqe_get_data(cqe);
@@ -371,23 +425,17 @@ class UringReader final : public FileReader {
         if (advance(*request, cqe->res)) {
           next.push_back(request);
         } else {
-          delete request;
-          ++finished;
+          over.push_back(request);
         }
       }
       io_uring_cq_advance(&ring_, seen);
-      outstanding_ -= finished;
-      bool prepared = false;
       for (Request* request : next) {
-        if (submit_step_locked(*request)) {
-          prepared = true;
-        } else {
-          delete request;
-          --outstanding_;
-        }
+        if (!submit_step_locked(*request)) over.push_back(request);
       }
       next.clear();
-      if (prepared) submit_locked();
+      for (Request* request : over) release_locked(request);
+      over.clear();
+      pump_locked();  // the next steps, and waiting files in the places freed
       // Stopping, with nothing in flight: no completion of a request can
       // still arrive (the stop entry's may, and goes with the ring).
       if (stopping_ && outstanding_ == 0) return;
@@ -485,7 +533,11 @@ class UringReader final : public FileReader {
   bool stopping_ = false;  // the destructor runs
   // Entries prepared since the last submit, in order, and their requests.
   std::vector<std::pair<io_uring_sqe*, Request*>> queued_;
-  size_t outstanding_ = 0;  // requests the ring holds
+  size_t outstanding_ = 0;  // requests the reader holds: in the ring or waiting
+  static constexpr size_t kMinOpen = 8, kMaxOpen = 1024;
+  const size_t open_limit_;
+  size_t open_ = 0;  // requests in the ring: opening, open, or reading
+  std::deque<Request*> waiting_;  // not opened yet: no place, or no entry, was free
   std::thread thread_;
 };
 
@@ -561,6 +613,10 @@ struct StartRead {
   ReadFilesAsyncOptions options;
   std::shared_ptr<FileReader> reader;
   void operator()(std::string path, Done done) {
+    // open() would stop at the NUL and read another file under this name.
+    if (const size_t nul = path.find('\0'); nul != std::string::npos) {
+      return fail(done, "cannot open: the path holds a NUL byte at offset " + std::to_string(nul), path);
+    }
     if (!reader) reader = make_reader(options);
     reader->read(std::move(path), std::move(done));
   }

@@ -5,6 +5,7 @@
 #include <conveyor/nodes/files_async.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -180,6 +181,67 @@ TEST_P(ReadFilesAsync, ResetAndDestructionWithReadsInFlight) {
     }
     // The node goes with reads in flight: its destructor waits for them.
   }
+}
+
+// A window wider than the process may hold descriptors. io_uring kept one
+// descriptor per file in flight: with 1024 in flight under a limit of 256,
+// good files failed with "Too many open files" and OnError::skip dropped
+// them without a word (the thread pool holds one per thread). It now opens
+// at most a share of the limit at once; the others wait their turn. A pass
+// left early with files still waiting drops them.
+TEST_P(ReadFilesAsync, AWindowWiderThanTheDescriptorLimitReadsEveryFile) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 1500; ++i) paths.push_back(dir.file("n" + std::to_string(i), 64));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  struct Restore {
+    rlimit limit;
+    ~Restore() { setrlimit(RLIMIT_NOFILE, &limit); }
+  } restore{saved};
+  auto opts = options(1024);
+  opts.on_error = OnError::skip;
+  auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(opts);
+  {
+    auto early = pipeline.pass();
+    for (int k = 0; k < 10; ++k) ASSERT_TRUE(early.next());
+  }
+  size_t n = 0;
+  for (FileBytes& file : pipeline.pass()) {
+    EXPECT_EQ(file.path, paths[n]);
+    EXPECT_EQ(file.bytes.size(), 64u);
+    ++n;
+  }
+  EXPECT_EQ(n, paths.size());
+  EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+}
+
+// open() stops at a NUL: "dir/a\0missing" read dir/a, labelled with the
+// bad path, with no error. Refused now, naming the offset.
+TEST_P(ReadFilesAsync, APathHoldingANulByteIsRefusedNotReadAsAnotherFile) {
+  Dir dir;
+  const std::string a = dir.file("a", 4);
+  const std::string bad = a + std::string(1, '\0') + "missing";
+  auto pipeline = nodes::from_vector(std::vector<std::string>{bad, a}) | nodes::read_files_async(options());
+  auto pass = pipeline.pass();
+  try {
+    (void)pass.next();
+    FAIL() << "read a file under a path with a NUL byte";
+  } catch (const DataError& e) {
+    EXPECT_EQ(e.file(), bad);
+    EXPECT_NE(std::string(e.what()).find("the path holds a NUL byte at offset " + std::to_string(a.size())),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(pass.next()->bytes, contents(a));  // the pass goes on
+#if CONVEYOR_IO_TEST_FORMATS
+  auto serial = nodes::from_vector(std::vector<std::string>{bad}) | nodes::read_files();
+  auto serial_pass = serial.pass();
+  EXPECT_THROW((void)serial_pass.next(), DataError);
+#endif
 }
 
 #if CONVEYOR_IO_TEST_FORMATS

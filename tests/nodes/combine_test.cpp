@@ -190,6 +190,55 @@ TEST(Combine, AForkConsumerResumesExactlyAfterABufferOverflowError) {
   }
 }
 
+// An upstream error is met by every consumer in its place, each with an
+// exception object of its own: consumers run on different threads, and one
+// shared object would be freed by whichever let go last (see
+// ForkState::rethrow_own_copy). Its nested original is still the one.
+TEST(Combine, EveryForkConsumerIsThrownAnUpstreamErrorOfItsOwn) {
+  auto failing = nodes::from_range(0, 6) | nodes::map([](int64_t x) {
+                   if (x == 3) throw std::runtime_error("item three is bad");
+                   return x;
+                 });
+  auto outputs = nodes::fork(std::move(failing), 2, 8);
+  auto a = outputs[0].pass();
+  auto b = outputs[1].pass();
+  std::exception_ptr met[2];
+  std::string items[2];
+  for (int consumer = 0; consumer < 2; ++consumer) {
+    auto& pass = consumer == 0 ? a : b;
+    for (int guard = 0; guard < 10; ++guard) {
+      try {
+        const std::optional<int64_t> x = pass.next();
+        if (!x) break;
+        items[consumer] += std::to_string(*x) + " ";
+      } catch (const conveyor::NodeError& e) {
+        EXPECT_EQ(e.position(), 3u);
+        EXPECT_NE(std::string(e.what()).find("item three is bad"), std::string::npos) << e.what();
+        met[consumer] = std::current_exception();
+      }
+    }
+  }
+  EXPECT_EQ(items[0], "0 1 2 4 5 ");
+  EXPECT_EQ(items[1], "0 1 2 4 5 ");
+  ASSERT_TRUE(met[0] && met[1]);
+  EXPECT_NE(met[0], met[1]) << "both consumers were thrown the same exception object";
+  const auto node_error = [](const std::exception_ptr& p) -> const conveyor::NodeError* {
+    try {
+      std::rethrow_exception(p);
+    } catch (const conveyor::NodeError& e) {
+      return &e;
+    } catch (...) {
+    }
+    return nullptr;
+  };
+  const conveyor::NodeError* first = node_error(met[0]);
+  const conveyor::NodeError* second = node_error(met[1]);
+  ASSERT_TRUE(first && second);
+  EXPECT_STREQ(first->what(), second->what());
+  EXPECT_EQ(first->node(), second->node());
+  EXPECT_EQ(first->original(), second->original());
+}
+
 // One branch behind a prefetch(8), a fork buffer of 2 (below the 8 + 2 the
 // sizing rule asks): the strand runs ahead of the other branch and meets
 // overflow errors. zip hands them out, and every pair is still a's item k

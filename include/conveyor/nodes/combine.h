@@ -24,6 +24,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -760,8 +761,25 @@ class ForkState {
       items_.pop_front();
       ++base_;
     }
-    if (error) std::rethrow_exception(error);
+    if (error) rethrow_own_copy(error);
     return out;
+  }
+
+  // Throws a consumer an exception object of its own. Consumers run on
+  // different threads (one behind a prefetch), and one object rethrown to all
+  // of them is freed by whichever lets it go last, ordered only by libstdc++'s
+  // reference count: correct, but ThreadSanitizer cannot see that count (the
+  // library is not instrumented) and reports the free as a race with the
+  // other consumer's reads. A NodeError, what every node throws, is copied
+  // here, under the fork's mutex, as is every read of the shared one; its
+  // nested original stays shared. Any other exception is rethrown as is.
+  [[noreturn]] static void rethrow_own_copy(const std::exception_ptr& error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const NodeError& e) {
+      if (typeid(e) != typeid(NodeError)) throw;
+      throw NodeError(e);
+    }
   }
 
   // The consumer's overflow error, counted where it stands (its state's

@@ -356,17 +356,20 @@ class Pipeline {
   // not, then the passes after it. The fingerprint holds the graph's shape
   // (its nodes' names, sources first), the seed and the shard.
   State state() const {
-    State out = state_envelope("conveyor.Pipeline", fingerprint());
     // A loaded state whose pass has not begun is the next pass: saved
     // again, it must resume where it does (reporting the last pass, or a
-    // fresh one, handed its items out twice).
+    // fresh one, handed its items out twice), under the fingerprint it was
+    // saved with: a seed() or shard() since then makes pass() refuse it, and
+    // so must every other pipeline.
     if (resume_) {
+      State out = resume_->saved;
       out.set("epoch", resume_->epoch);
       out.set("received", resume_->received);
       out.set("errors", resume_->errors);
       out.set("nodes", resume_->nodes);
       return out;
     }
+    State out = state_envelope("conveyor.Pipeline", fingerprint());
     const bool in_pass = progress_ && progress_->live && !progress_->ended;
     out.set("epoch", in_pass ? progress_->epoch : epoch_);
     out.set("received", in_pass ? progress_->received : uint64_t{0});

@@ -422,6 +422,12 @@ TEST(PipelineResume, ASeedOrShardSetAfterLoadingIsCheckedByThePass) {
     resumed.seed(1);
     resumed.load_state(state);
     after_load(resumed);
+    // Saved again before its pass, it is still the loaded state, under the
+    // fingerprint it was taken with: a pipeline set the new way refuses it.
+    auto other = make();
+    other.seed(1);
+    after_load(other);
+    EXPECT_THROW(other.load_state(resumed.state()), StateError) << field << " changed after load_state";
     try {
       (void)resumed.pass();
       ADD_FAILURE() << field << " changed after load_state, and the pass resumed";

@@ -315,6 +315,16 @@ inline Pipeline<int64_t> random_pipeline(std::mt19937_64 rng, bool parallel, boo
 // One pass's items and errors, in order. An error is its node's kind and
 // the failed item's position: the serial map is "map", the parallel one
 // "map(workers=N)".
+// A failed item as an outcome: its node and position, and whether the
+// message names the node. The message is read whole, as a consumer would,
+// so a sanitizer sees every byte of the error the consumer was thrown.
+inline std::string error_outcome(const conveyor::NodeError& e) {
+  const std::string message = e.what();
+  const bool named = message.find("'" + e.node() + "'") != std::string::npos;
+  return "error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()) +
+         (named ? "" : " (its message does not name the node: " + message + ")");
+}
+
 inline std::vector<std::string> outcomes(Pipeline<int64_t>& pipeline) {
   std::vector<std::string> out;
   auto pass = pipeline.pass();
@@ -324,7 +334,7 @@ inline std::vector<std::string> outcomes(Pipeline<int64_t>& pipeline) {
       if (!item) break;
       out.push_back(std::to_string(*item));
     } catch (const conveyor::NodeError& e) {
-      out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
+      out.push_back(error_outcome(e));
     }
   }
   return out;
@@ -348,7 +358,7 @@ inline std::vector<std::string> polled_outcomes(Pipeline<int64_t>& pipeline, uin
       if (poll == Poll::end) break;
       out.push_back(std::to_string(*item));
     } catch (const conveyor::NodeError& e) {
-      out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
+      out.push_back(error_outcome(e));
     }
   }
   return out;

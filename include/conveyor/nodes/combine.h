@@ -770,15 +770,31 @@ class ForkState {
   // of them is freed by whichever lets it go last, ordered only by libstdc++'s
   // reference count: correct, but ThreadSanitizer cannot see that count (the
   // library is not instrumented) and reports the free as a race with the
-  // other consumer's reads. A NodeError, what every node throws, is copied
-  // here, under the fork's mutex, as is every read of the shared one; its
-  // nested original stays shared. Any other exception is rethrown as is.
+  // other consumer's reads. A NodeError, what every node throws, is made anew
+  // from the shared one's text, here under the fork's mutex (as is every read
+  // of the shared one; not a copy: std::runtime_error's copy shares its
+  // counted message). Its nested original stays shared. Any other exception
+  // is rethrown as is.
   [[noreturn]] static void rethrow_own_copy(const std::exception_ptr& error) {
+    std::string what;
+    std::string node;
+    uint64_t position = 0;
+    std::exception_ptr original;
     try {
       std::rethrow_exception(error);
     } catch (const NodeError& e) {
       if (typeid(e) != typeid(NodeError)) throw;
-      throw NodeError(e);
+      what = e.what();
+      node = e.node();
+      position = e.position();
+      original = e.original();
+    }
+    // A NodeError nests the exception in flight: the original, or none.
+    if (!original) throw NodeError(what, std::move(node), position);
+    try {
+      std::rethrow_exception(original);
+    } catch (...) {
+      throw NodeError(what, std::move(node), position);
     }
   }
 

@@ -155,6 +155,15 @@ class CompressedInput {
     return std::max<uint64_t>(total_bytes_, consumed_ + window_.size());
   }
 
+  // The compressed bytes a size hint is measured against: all of them in
+  // memory; of a file, at most kHintBasisBytes. fstat's size may be mostly a
+  // sparse hole that is never read, and the trailer's hint is the file's
+  // last four bytes, whatever they say: trusted against the whole size, a
+  // sparse tail of 16 MiB ending in 0xFFFFFF3F cost 1 GiB up front.
+  uint64_t hint_basis() const noexcept {
+    return fd_ < 0 ? total_bytes_ : std::min<uint64_t>(total_bytes_, kHintBasisBytes);
+  }
+
   // The last four bytes (asked before anything is consumed): the ISIZE field
   // of the last member's trailer.
   std::optional<uint32_t> trailer_isize() const {
@@ -171,6 +180,9 @@ class CompressedInput {
 
  private:
   static constexpr size_t kReadChunkBytes = size_t{1} << 20;
+  // A first output of at most 32 MiB (kMaxTrustedRatio times this); a file
+  // that holds more grows it by doubling as the data really comes.
+  static constexpr uint64_t kHintBasisBytes = uint64_t{512} << 10;
 
   int fd_ = -1;  // not owned; -1 for bytes in memory
   const std::string* path_ = nullptr;
@@ -193,7 +205,7 @@ class GzipReader {
   GzipReader(CompressedInput& input, const std::string& name)
       : input_(input),
         name_(name),
-        first_output_size_(initial_output_size(input.total_bytes(), input.trailer_isize())) {
+        first_output_size_(initial_output_size(input.hint_basis(), input.trailer_isize())) {
     // 16 + MAX_WBITS: a gzip wrapper only; zlib then checks each member's
     // CRC32 and ISIZE itself ("incorrect data check", "incorrect length check").
     if (inflateInit2(&stream_, 16 + MAX_WBITS) != Z_OK) {

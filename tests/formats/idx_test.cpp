@@ -578,6 +578,29 @@ TEST_F(IdxErrorTest, SparseTailAfterAGzipMemberIsNotReadWhole) {
               testing::ExitedWithCode(0), "");
 }
 
+// A gzip member of a 2^30-byte IDX truncated after 4 KiB, then a sparse
+// tail to 16 MiB whose last four bytes, the trailer's size hint, say about
+// 1 GiB. The hint was trusted up to 64 times fstat's 16 MiB: before the fix
+// open() allocated the whole GiB (zero-filled) before finding the garbage.
+TEST_F(IdxErrorTest, ASparseTailsLastFourBytesDoNotSizeTheOutput) {
+  std::vector<uint8_t> declared_gib = idx_bytes(0x08, {1u << 30}, {});
+  declared_gib.resize(declared_gib.size() + 4096, 7);
+  const std::string path = write("hinted-idx1-ubyte.gz", gzip(declared_gib));
+  const off_t member_bytes = static_cast<off_t>(std::filesystem::file_size(path));
+  constexpr off_t kFileBytes = off_t{16} << 20;
+  ASSERT_EQ(truncate(path.c_str(), kFileBytes), 0);
+  {
+    std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
+    out.seekp(kFileBytes - 4);
+    const char isize[4] = {'\xff', '\xff', '\xff', '\x3f'};
+    out.write(isize, 4);
+    ASSERT_TRUE(out.good());
+  }
+  const std::string garbage = std::to_string(kFileBytes - member_bytes) + " bytes of trailing garbage";
+  EXPECT_EXIT(exit_zero_if_open_fails_cheaply(path, {path + ": corrupt gzip stream: ", garbage}),
+              testing::ExitedWithCode(0), "");
+}
+
 // A raw file of 2^63 - 1 bytes (sparse, on tmpfs) whose header declares all
 // of them: more than any buffer can be. Before the fix the vector's
 // std::length_error escaped instead of a DataError naming the file.

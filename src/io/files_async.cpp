@@ -16,8 +16,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -307,7 +309,7 @@ class UringReader final : public FileReader {
       admit_locked();
       if (io_uring_sq_ready(&ring_) == 0) return;
       submit_locked();
-      if (waiting_.empty() || open_ >= open_limit_) return;
+      if (waiting_.empty() || open_ >= admission_limit()) return;
       // No entry was free, or the kernel took none: where nothing changed,
       // the next completion (or the ring thread's periodic look) pumps again.
       if (waiting_.size() == waiting_before && open_ == open_before) return;
@@ -317,7 +319,8 @@ class UringReader final : public FileReader {
   // Prepares openats for waiting files while places and entries are free;
   // submits nothing. Under mutex_.
   void admit_locked() {
-    while (open_ < open_limit_ && !waiting_.empty()) {
+    if (short_of_descriptors_) return;  // until the ring thread's next periodic look
+    while (open_ < admission_limit() && !waiting_.empty()) {
       Request* next = waiting_.front();
       if (next->done.cancelled()) {  // its pass is over: nobody wants the bytes
         waiting_.pop_front();
@@ -332,6 +335,38 @@ class UringReader final : public FileReader {
       queue_locked(sqe, *next);  // the ring's now, until its last step
       ++open_;
     }
+  }
+
+  // How many may be open now: the share of the descriptor limit, less
+  // while the process has run out of descriptors (other readers hold them).
+  size_t admission_limit() const noexcept { return std::min(open_limit_, shortage_limit_); }
+
+  // An open failed with EMFILE or ENFILE: the process, not the file, is out
+  // of descriptors (each reader's share is its own, and other readers and
+  // the program hold theirs). The file goes back to the front of the queue
+  // instead of failing: while this reader holds open files, until one of
+  // them is released, and its admissions are capped at what it holds;
+  // holding none, until the ring thread's next periodic look (every
+  // kStopCheck), for at most kDescriptorWait without an open succeeding.
+  // False when it must fail: that wait is over, or the kernel has no timed
+  // wait to look with. Under mutex_.
+  bool requeue_for_a_descriptor_locked(Request& r) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!shortage_since_) shortage_since_ = now;
+    --open_;
+    if (open_ == 0 && (!timed_waits_ || now - *shortage_since_ > kDescriptorWait)) {
+      ++open_;  // released with the request
+      return false;
+    }
+    shortage_limit_ = std::max<size_t>(open_, 1);
+    if (open_ == 0) short_of_descriptors_ = true;
+    waiting_.push_front(&r);
+    return true;
+  }
+  // An open succeeded: the shortage, if any, is easing.
+  void opened_locked() noexcept {
+    shortage_since_.reset();
+    if (shortage_limit_ < open_limit_) ++shortage_limit_;
   }
 
   // A request that held an open place is over. Under mutex_.
@@ -399,7 +434,8 @@ class UringReader final : public FileReader {
       if (rc == -ETIME) {
         std::lock_guard lock(mutex_);
         if (stopping_ && outstanding_ == 0) return;
-        pump_locked();  // waiting files a failing submit left behind
+        short_of_descriptors_ = false;  // try the waiting file again
+        pump_locked();  // waiting files a failing submit left behind, or a descriptor
         continue;
       }
       if (rc < 0) {
@@ -422,6 +458,10 @@ class UringReader final : public FileReader {
         if (data == &dropped_entry) continue;  // its request failed when it was not taken
         auto* request = static_cast<Request*>(data);
         if (!request) continue;  // the stop entry: stopping_ is set
+        if (request->step == Request::Step::open) {
+          if ((cqe->res == -EMFILE || cqe->res == -ENFILE) && requeue_for_a_descriptor_locked(*request)) continue;
+          if (cqe->res >= 0) opened_locked();
+        }
         if (advance(*request, cqe->res)) {
           next.push_back(request);
         } else {
@@ -536,6 +576,13 @@ class UringReader final : public FileReader {
   size_t outstanding_ = 0;  // requests the reader holds: in the ring or waiting
   static constexpr size_t kMinOpen = 8, kMaxOpen = 1024;
   const size_t open_limit_;
+  // Out of descriptors: how many may be open meanwhile (regrown by one each
+  // open that succeeds), since when, and whether admitting waits for the
+  // periodic look (none of this reader's own files is open to release one).
+  size_t shortage_limit_ = std::numeric_limits<size_t>::max();
+  std::optional<std::chrono::steady_clock::time_point> shortage_since_;
+  bool short_of_descriptors_ = false;
+  static constexpr std::chrono::seconds kDescriptorWait{10};
   size_t open_ = 0;  // requests in the ring: opening, open, or reading
   std::deque<Request*> waiting_;  // not opened yet: no place, or no entry, was free
   std::thread thread_;

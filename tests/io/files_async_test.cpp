@@ -4,12 +4,14 @@
 #include <conveyor/nodes.h>
 #include <conveyor/nodes/files_async.h>
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -209,6 +211,48 @@ TEST_P(ReadFilesAsync, AWindowWiderThanTheDescriptorLimitReadsEveryFile) {
     auto early = pipeline.pass();
     for (int k = 0; k < 10; ++k) ASSERT_TRUE(early.next());
   }
+  size_t n = 0;
+  for (FileBytes& file : pipeline.pass()) {
+    EXPECT_EQ(file.path, paths[n]);
+    EXPECT_EQ(file.bytes.size(), 64u);
+    ++n;
+  }
+  EXPECT_EQ(n, paths.size());
+  EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+}
+
+// The program holds all but 24 of its descriptors, fewer than the io_uring
+// reader's share (a quarter of the limit, 64): its opens met EMFILE, and
+// the good files failed (OnError::skip dropped them; so did several readers
+// at once, each within its share). A file now waits, at the queue's front,
+// until one of the reader's own descriptors is released.
+TEST_P(ReadFilesAsync, FilesWaitForADescriptorWhenTheProcessHasRunOut) {
+  Dir dir;
+  std::vector<std::string> paths;
+  for (int i = 0; i < 600; ++i) paths.push_back(dir.file("d" + std::to_string(i), 64));
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  struct Held {
+    rlimit limit;
+    std::vector<int> fds;
+    ~Held() {
+      for (int fd : fds) close(fd);
+      setrlimit(RLIMIT_NOFILE, &limit);
+    }
+  } held{saved, {}};
+  for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held.fds.push_back(fd);
+  ASSERT_EQ(errno, EMFILE);
+  ASSERT_GE(held.fds.size(), 24u);
+  for (int k = 0; k < 24; ++k) {
+    close(held.fds.back());
+    held.fds.pop_back();
+  }
+  auto opts = options(1024);
+  opts.on_error = OnError::skip;
+  auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(opts);
   size_t n = 0;
   for (FileBytes& file : pipeline.pass()) {
     EXPECT_EQ(file.path, paths[n]);

@@ -232,16 +232,24 @@ struct Group::Impl {
   }
 };
 
+// c10d makes a nanosecond deadline of the timeout: milliseconds::max()
+// (the C++ way to say "none") overflowed it, and every rank failed at once,
+// blaming the port. A year is past any job's wait and far from overflow.
+static void check_timeout(milliseconds timeout) {
+  constexpr milliseconds kLongest = std::chrono::hours(24 * 365);
+  if (timeout <= milliseconds(0) || timeout > kLongest) {
+    throw ValueError("conveyor::distributed: timeout should be in [1, " + std::to_string(kLongest.count()) +
+                     "] ms (a year at most), but got " + std::to_string(timeout.count()) + " ms");
+  }
+}
+
 Group Group::init(GroupOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->env = options.environment ? *options.environment : read_environment();
   impl->timeout = options.timeout;
   const Environment& env = impl->env;
   impl->store_address = env.master_addr + ":" + std::to_string(env.master_port);
-  if (options.timeout <= milliseconds(0)) {
-    throw ValueError("conveyor::distributed: timeout must be positive, not " +
-                     std::to_string(options.timeout.count()) + " ms");
-  }
+  check_timeout(options.timeout);
 
   ignore_sigpipe_unless_handled();
   std::string local_host;
@@ -300,6 +308,7 @@ Group Group::adopt_raw(c10d::ProcessGroup* group, GroupOptions options) {
   if (group == nullptr) throw ValueError("conveyor::distributed: adopt() of a null process group");
   ignore_sigpipe_unless_handled();
   auto impl = std::make_unique<Impl>();
+  check_timeout(options.timeout);
   impl->group = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(group);
   impl->timeout = options.timeout;
   if (options.environment) {

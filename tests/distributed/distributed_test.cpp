@@ -145,6 +145,27 @@ TEST(DistributedEnvironment, AHandLaunchIsOneNode) {
   EXPECT_EQ(env.local_world_size, 4);
 }
 
+// The timeout is checked before anything is opened, naming the value: 0
+// (c10d's "none") and anything past a year. milliseconds::max(), the C++
+// way to ask for no timeout, overflowed c10d's nanosecond deadline: every
+// rank failed at once, the error blaming the port.
+TEST(DistributedEnvironment, AnOutOfRangeTimeoutIsRefusedNamingIt) {
+  using std::chrono::milliseconds;
+  for (const milliseconds timeout : {milliseconds(0), milliseconds(-5), milliseconds::max(),
+                                     milliseconds(31536000001)}) {
+    try {
+      Vars alone = with(with(kTorchrun, "RANK", "0"), "WORLD_SIZE", "1");
+      alone = with(with(alone, "LOCAL_RANK", ""), "LOCAL_WORLD_SIZE", "");
+      (void)dist::Group::init({.timeout = timeout, .environment = read(alone)});
+      ADD_FAILURE() << "a timeout of " << timeout.count() << " ms was accepted";
+    } catch (const conveyor::ValueError& error) {
+      EXPECT_EQ(std::string(error.what()),
+                "conveyor::distributed: timeout should be in [1, 31536000000] ms (a year at most), but got " +
+                    std::to_string(timeout.count()) + " ms");
+    }
+  }
+}
+
 // ---- many ranks ---------------------------------------------------------------------
 
 struct Agreement {

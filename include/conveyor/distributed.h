@@ -39,7 +39,9 @@ namespace conveyor::distributed {
 // set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 // MASTER_PORT; Open MPI's mpirun sets OMPI_COMM_WORLD_RANK, _SIZE,
 // _LOCAL_RANK and _LOCAL_SIZE and no rendezvous address, so MASTER_ADDR and
-// MASTER_PORT come from `mpirun -x`.
+// MASTER_PORT come from `mpirun -x`; MPICH's and Intel MPI's mpiexec set
+// PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and MPI_LOCALNRANKS (the address from
+// `-genv`).
 struct Environment {
   int rank = 0;
   int world_size = 1;
@@ -48,7 +50,7 @@ struct Environment {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   uint16_t master_port = 29500;
-  std::string launcher;  // "torchrun" or "Open MPI": whose variables these are
+  std::string launcher;  // "torchrun", "Open MPI" or "MPICH": whose variables these are
   // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent already hosts the
   // store at MASTER_PORT, so rank 0 connects to it instead of serving one.
   bool agent_store = false;
@@ -57,7 +59,7 @@ struct Environment {
 
 // Reads the launcher's variables. Throws ValueError naming the variable and
 // its value: a missing MASTER_ADDR, RANK="abc", RANK=4 with WORLD_SIZE=4, a
-// port outside 1..65535, neither RANK nor OMPI_COMM_WORLD_RANK set.
+// port outside 1..65535, none of RANK, OMPI_COMM_WORLD_RANK, PMI_RANK set.
 Environment read_environment();
 // The same from a lookup of one's own (tests): nullptr means "not set".
 Environment read_environment(const std::function<const char*(const char*)>& lookup);

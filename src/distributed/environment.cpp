@@ -72,19 +72,25 @@ Environment read_environment(const std::function<const char*(const char*)>& look
   Environment env;
   // torchrun's variables win: an mpirun that starts torchrun-style programs
   // with -x RANK=... means them.
-  const bool torchrun = lookup("RANK") != nullptr && *lookup("RANK") != '\0';
-  const bool mpi = !torchrun && lookup("OMPI_COMM_WORLD_RANK") != nullptr;
-  if (!torchrun && !mpi) {
-    bad("no launcher environment: RANK (torchrun) or OMPI_COMM_WORLD_RANK (mpirun) expected, "
-        "but neither is set");
+  const auto set = [&](const char* name) { return lookup(name) != nullptr && *lookup(name) != '\0'; };
+  const bool torchrun = set("RANK");
+  const bool open_mpi = !torchrun && lookup("OMPI_COMM_WORLD_RANK") != nullptr;
+  // MPICH's and Intel MPI's launcher (Hydra's mpiexec) sets PMI_RANK and
+  // PMI_SIZE, and the node's share as MPI_LOCALRANKID / MPI_LOCALNRANKS.
+  const bool hydra = !torchrun && !open_mpi && set("PMI_RANK");
+  if (!torchrun && !open_mpi && !hydra) {
+    bad("no launcher environment: RANK (torchrun), OMPI_COMM_WORLD_RANK (Open MPI's mpirun) or "
+        "PMI_RANK (MPICH's or Intel MPI's mpiexec) expected, but none is set");
   }
-  env.launcher = torchrun ? "torchrun" : "Open MPI";
+  env.launcher = torchrun ? "torchrun" : open_mpi ? "Open MPI" : "MPICH";
   Reader read(lookup, env.launcher);
 
-  const char* rank_name = torchrun ? "RANK" : "OMPI_COMM_WORLD_RANK";
-  const char* size_name = torchrun ? "WORLD_SIZE" : "OMPI_COMM_WORLD_SIZE";
-  const char* local_rank_name = torchrun ? "LOCAL_RANK" : "OMPI_COMM_WORLD_LOCAL_RANK";
-  const char* local_size_name = torchrun ? "LOCAL_WORLD_SIZE" : "OMPI_COMM_WORLD_LOCAL_SIZE";
+  const char* rank_name = torchrun ? "RANK" : open_mpi ? "OMPI_COMM_WORLD_RANK" : "PMI_RANK";
+  const char* size_name = torchrun ? "WORLD_SIZE" : open_mpi ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE";
+  const char* local_rank_name =
+      torchrun ? "LOCAL_RANK" : open_mpi ? "OMPI_COMM_WORLD_LOCAL_RANK" : "MPI_LOCALRANKID";
+  const char* local_size_name =
+      torchrun ? "LOCAL_WORLD_SIZE" : open_mpi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS";
 
   env.world_size = read.integer(size_name, 1, kMaxRanks);
   env.rank = read.integer(rank_name, 0, kMaxRanks);
@@ -112,9 +118,11 @@ Environment read_environment(const std::function<const char*(const char*)>& look
     read.required(local_rank_name);  // throws: a node's share without our place in it
   }
 
-  const char* mpi_hint = mpi ? ": mpirun sets no rendezvous address; pass "
-                               "-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<a free port>"
-                             : "";
+  const char* mpi_hint = open_mpi ? ": mpirun sets no rendezvous address; pass "
+                                    "-x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<a free port>"
+                         : hydra ? ": mpiexec sets no rendezvous address; pass "
+                                   "-genv MASTER_ADDR <rank 0's host> -genv MASTER_PORT <a free port>"
+                                 : "";
   env.master_addr = read.required("MASTER_ADDR", mpi_hint);
   env.master_port = static_cast<uint16_t>(
       parse_integer("MASTER_PORT", read.required("MASTER_PORT", mpi_hint), 1, 65535));

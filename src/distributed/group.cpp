@@ -229,6 +229,25 @@ struct Group::Impl {
                                 "MASTER_PORT or WORLD_SIZE)",
           &error, missing, looks_like_timeout(error));
     }
+    // Each rank announced its WORLD_SIZE before checking it against rank
+    // 0's: checked here against every rank's, or a rank whose peer is
+    // failing on its mismatch would wait in Gloo's connect for its whole
+    // timeout, then say only "Socket Timeout".
+    for (int rank = 0; rank < env.world_size; ++rank) {
+      if (rank == env.rank) continue;
+      std::vector<uint8_t> theirs;
+      try {
+        theirs = store->get(keys[rank]);
+      } catch (const std::exception& error) {
+        rendezvous_failed("reading rank " + std::to_string(rank) + "'s WORLD_SIZE from the store failed", &error,
+                          {}, looks_like_timeout(error));
+      }
+      if (std::string(theirs.begin(), theirs.end()) != size) {
+        throw ValueError("conveyor::distributed: WORLD_SIZE=" + size + " on " + where(env) +
+                         " but WORLD_SIZE=" + std::string(theirs.begin(), theirs.end()) + " on rank " +
+                         std::to_string(rank));
+      }
+    }
   }
 };
 

@@ -1,9 +1,11 @@
 // conveyor::distributed with real processes: 2 and 4 ranks on 127.0.0.1,
 // each a conveyor_distributed_rank started here (or by torchrun), every
 // launch bounded by a deadline that kills what is left.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -118,6 +120,24 @@ TEST(DistributedEnvironment, ReadsOpenMpiVariables) {
             std::string::npos);
 }
 
+// MPICH's and Intel MPI's mpiexec (Hydra) set PMI_RANK, PMI_SIZE and the
+// node's share as MPI_LOCALRANKID / MPI_LOCALNRANKS. Before, such a launch
+// was told that RANK or OMPI_COMM_WORLD_RANK was expected.
+TEST(DistributedEnvironment, ReadsMpichVariables) {
+  Vars hydra = {{"PMI_RANK", "3"},        {"PMI_SIZE", "4"},         {"MPI_LOCALRANKID", "1"},
+                {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "1234"}};
+  dist::Environment env = read(hydra);
+  EXPECT_EQ(env.rank, 3);
+  EXPECT_EQ(env.world_size, 4);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.local_world_size, 2);
+  EXPECT_EQ(env.launcher, "MPICH");
+  EXPECT_EQ(error_of(with(hydra, "PMI_RANK", "4")), "conveyor::distributed: PMI_RANK='4' is not below PMI_SIZE='4'");
+  EXPECT_NE(error_of(with(hydra, "MASTER_ADDR", "")).find("pass -genv MASTER_ADDR"), std::string::npos);
+  EXPECT_EQ(read(with(with(hydra, "RANK", "0"), "WORLD_SIZE", "1")).launcher, "torchrun")
+      << "torchrun's variables win";
+}
+
 TEST(DistributedEnvironment, NamesTheBadVariableAndValue) {
   EXPECT_EQ(error_of(with(kTorchrun, "RANK", "abc")),
             "conveyor::distributed: RANK='abc' is not an integer");
@@ -135,8 +155,8 @@ TEST(DistributedEnvironment, NamesTheBadVariableAndValue) {
             "conveyor::distributed: environment variable MASTER_ADDR expected (torchrun "
             "launch), but not set");
   EXPECT_EQ(error_of({}),
-            "conveyor::distributed: no launcher environment: RANK (torchrun) or "
-            "OMPI_COMM_WORLD_RANK (mpirun) expected, but neither is set");
+            "conveyor::distributed: no launcher environment: RANK (torchrun), OMPI_COMM_WORLD_RANK (Open "
+            "MPI's mpirun) or PMI_RANK (MPICH's or Intel MPI's mpiexec) expected, but none is set");
 }
 
 TEST(DistributedEnvironment, AHandLaunchIsOneNode) {
@@ -150,7 +170,6 @@ TEST(DistributedEnvironment, AHandLaunchIsOneNode) {
 // way to ask for no timeout, overflowed c10d's nanosecond deadline: every
 // rank failed at once, the error blaming the port.
 TEST(DistributedEnvironment, AnOutOfRangeTimeoutIsRefusedNamingIt) {
-  using std::chrono::milliseconds;
   for (const milliseconds timeout : {milliseconds(0), milliseconds(-5), milliseconds::max(),
                                      milliseconds(31536000001)}) {
     try {
@@ -164,6 +183,21 @@ TEST(DistributedEnvironment, AnOutOfRangeTimeoutIsRefusedNamingIt) {
                     std::to_string(timeout.count()) + " ms");
     }
   }
+}
+
+// ---- the launcher ----------------------------------------------------------------
+
+// A later spawn that fails kills and reaps the processes already started:
+// before, run_all threw with the first one still running (and its folder
+// left in /tmp). Nothing else in this binary has a child meanwhile.
+TEST(Launcher, ASpawnFailureLeavesNoEarlierProcessRunning) {
+  EXPECT_THROW(conveyor::test::run_all({{{"/bin/sleep", "300"}, {}}, {{"/nonexistent/conveyor-rank"}, {}}},
+                                       milliseconds(60000)),
+               std::runtime_error);
+  int status = 0;
+  const pid_t left = ::waitpid(-1, &status, WNOHANG);
+  EXPECT_EQ(left, -1) << "a child of this process is still running after run_all threw";
+  EXPECT_EQ(errno, ECHILD);
 }
 
 // ---- many ranks ---------------------------------------------------------------------
@@ -403,10 +437,14 @@ TEST(Distributed, AMismatchedWorldSizeIsNamed) {
   EXPECT_EQ(result.ranks[1].exit_code, 3) << result.describe();
   EXPECT_EQ(error1, "conveyor::distributed: WORLD_SIZE=3 on rank 1 of 3 but WORLD_SIZE=2 on rank 0")
       << result.describe();
-  // Rank 0 saw rank 1 announce itself, then waits for it in Gloo's connect:
-  // it fails within its timeout rather than hanging.
+  // Rank 0 reads rank 1's announced WORLD_SIZE and names it. Before, it
+  // waited for rank 1 in Gloo's connect for its whole timeout, then said
+  // only "Socket Timeout".
   EXPECT_FALSE(result.ranks[0].killed_at_deadline) << result.describe();
   EXPECT_EQ(result.ranks[0].exit_code, 3) << result.describe();
+  EXPECT_EQ(value_of(result.ranks[0].output, 0, "error"),
+            "conveyor::distributed: WORLD_SIZE=2 on rank 0 of 2 but WORLD_SIZE=3 on rank 1")
+      << result.describe();
 }
 
 // ---- torchrun ------------------------------------------------------------------------

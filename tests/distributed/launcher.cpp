@@ -159,24 +159,21 @@ std::string LaunchResult::describe() const {
   return out.str();
 }
 
-LaunchResult run_all(const std::vector<Command>& commands, std::chrono::milliseconds deadline) {
-  char dir_template[] = "/tmp/conveyor-distributed-XXXXXX";
-  if (::mkdtemp(dir_template) == nullptr) fail("mkdtemp");
-  const std::string dir = dir_template;
-  // Orphaned descendants (mpirun's ranks) become ours, for reap_orphans.
-  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) fail("prctl(PR_SET_CHILD_SUBREAPER)");
+namespace {
 
-  struct Child {
-    pid_t pid = -1;
-    int pidfd = -1;
-    std::string log;
-    bool done = false;
-  };
-  std::vector<Child> children(commands.size());
-  LaunchResult result;
-  result.ranks.resize(commands.size());
-  const Clock::time_point start = Clock::now();
+// A started process: its pid, a descriptor that polls for its exit, its log.
+struct Child {
+  pid_t pid = -1;
+  int pidfd = -1;
+  std::string log;
+  bool done = false;
+};
 
+// Starts every command, each in a process group of its own with its output
+// in a log under `dir`, and waits for them to exit, never past the deadline.
+void spawn_and_wait(const std::vector<Command>& commands, std::chrono::milliseconds deadline,
+                    const std::string& dir, Clock::time_point start, std::vector<Child>& children,
+                    LaunchResult& result) {
   for (size_t i = 0; i < commands.size(); ++i) {
     std::vector<std::string> env_strings;
     for (char** e = environ; *e != nullptr; ++e) {
@@ -203,14 +200,15 @@ LaunchResult run_all(const std::vector<Command>& commands, std::chrono::millisec
     // A group of its own: the deadline kills torchrun's workers with it.
     posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
     posix_spawnattr_setpgroup(&attributes, 0);
-    int rc = ::posix_spawn(&children[i].pid, argv[0], &actions, &attributes, argv.data(),
-                           envp.data());
+    pid_t pid = -1;
+    int rc = ::posix_spawn(&pid, argv[0], &actions, &attributes, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attributes);
     if (rc != 0) {
       errno = rc;
       fail("posix_spawn " + commands[i].argv[0]);
     }
+    children[i].pid = pid;
     children[i].pidfd = pidfd_open(children[i].pid);
     if (children[i].pidfd < 0) fail("pidfd_open");
   }
@@ -242,23 +240,51 @@ LaunchResult run_all(const std::vector<Command>& commands, std::chrono::millisec
       --running;
     }
   }
-  for (size_t i = 0; i < children.size(); ++i) {
-    if (!children[i].done) {
-      ::kill(-children[i].pid, SIGKILL);
-      int status = 0;
-      ::waitpid(children[i].pid, &status, 0);
-      result.ranks[i].killed_at_deadline = true;
-      result.ranks[i].signal = SIGKILL;
+}
+
+}  // namespace
+
+LaunchResult run_all(const std::vector<Command>& commands, std::chrono::milliseconds deadline) {
+  char dir_template[] = "/tmp/conveyor-distributed-XXXXXX";
+  if (::mkdtemp(dir_template) == nullptr) fail("mkdtemp");
+  const std::string dir = dir_template;
+  // Orphaned descendants (mpirun's ranks) become ours, for reap_orphans.
+  if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) fail("prctl(PR_SET_CHILD_SUBREAPER)");
+
+  std::vector<Child> children(commands.size());
+  LaunchResult result;
+  result.ranks.resize(commands.size());
+  const Clock::time_point start = Clock::now();
+  // Kills what is still running, reaps it and its orphans, and gathers and
+  // removes the logs and the folder: after the deadline, and when a later
+  // spawn, pidfd_open or poll throws (nothing started may outlive the call).
+  const auto finish = [&] {
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (children[i].pid > 0 && !children[i].done) {
+        ::kill(-children[i].pid, SIGKILL);
+        int status = 0;
+        ::waitpid(children[i].pid, &status, 0);
+        result.ranks[i].killed_at_deadline = true;
+        result.ranks[i].signal = SIGKILL;
+      }
+      if (children[i].pidfd >= 0) ::close(children[i].pidfd);
     }
-    ::close(children[i].pidfd);
+    // After the deadline, and after a launcher that exited leaving ranks behind.
+    reap_orphans();
+    for (size_t i = 0; i < children.size(); ++i) {
+      if (children[i].log.empty()) continue;
+      result.ranks[i].output = read_file(children[i].log);
+      ::unlink(children[i].log.c_str());
+    }
+    ::rmdir(dir.c_str());
+  };
+  try {
+    spawn_and_wait(commands, deadline, dir, start, children, result);
+  } catch (...) {
+    finish();
+    throw;
   }
-  // After the deadline, and after a launcher that exited leaving ranks behind.
-  reap_orphans();
-  for (size_t i = 0; i < children.size(); ++i) {
-    result.ranks[i].output = read_file(children[i].log);
-    ::unlink(children[i].log.c_str());
-  }
-  ::rmdir(dir.c_str());
+  finish();
   result.elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   return result;
 }

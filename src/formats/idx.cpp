@@ -112,9 +112,11 @@ class CompressedInput {
       : window_(bytes), total_bytes_(bytes.size()) {}
 
   // `start`: the file's first bytes, already read from `fd`, which is left
-  // at the offset just past them; `file_bytes` is fstat's size.
-  CompressedInput(int fd, std::vector<uint8_t> start, uint64_t file_bytes, const std::string& path)
-      : fd_(fd), path_(&path), buffer_(std::move(start)), total_bytes_(file_bytes) {
+  // at the offset just past them; `file_bytes` is fstat's size and
+  // `stored_bytes` what the file system holds of it (st_blocks).
+  CompressedInput(int fd, std::vector<uint8_t> start, uint64_t file_bytes, uint64_t stored_bytes,
+                  const std::string& path)
+      : fd_(fd), path_(&path), buffer_(std::move(start)), total_bytes_(file_bytes), stored_bytes_(stored_bytes) {
     window_ = buffer_;
   }
 
@@ -156,12 +158,14 @@ class CompressedInput {
   }
 
   // The compressed bytes a size hint is measured against: all of them in
-  // memory; of a file, at most kHintBasisBytes. fstat's size may be mostly a
-  // sparse hole that is never read, and the trailer's hint is the file's
+  // memory; of a file, those the file system stores (at least
+  // kHintBasisBytes, for one that reports no blocks). fstat's size may be
+  // mostly a sparse hole, never read, and the trailer's hint is the file's
   // last four bytes, whatever they say: trusted against the whole size, a
   // sparse tail of 16 MiB ending in 0xFFFFFF3F cost 1 GiB up front.
   uint64_t hint_basis() const noexcept {
-    return fd_ < 0 ? total_bytes_ : std::min<uint64_t>(total_bytes_, kHintBasisBytes);
+    if (fd_ < 0) return total_bytes_;
+    return std::min<uint64_t>(total_bytes_, std::max<uint64_t>(stored_bytes_, kHintBasisBytes));
   }
 
   // The last four bytes (asked before anything is consumed): the ISIZE field
@@ -180,8 +184,8 @@ class CompressedInput {
 
  private:
   static constexpr size_t kReadChunkBytes = size_t{1} << 20;
-  // A first output of at most 32 MiB (kMaxTrustedRatio times this); a file
-  // that holds more grows it by doubling as the data really comes.
+  // Believed of any file: a first output of up to 32 MiB (kMaxTrustedRatio
+  // times this); more grows it by doubling as the data really comes.
   static constexpr uint64_t kHintBasisBytes = uint64_t{512} << 10;
 
   int fd_ = -1;  // not owned; -1 for bytes in memory
@@ -189,6 +193,7 @@ class CompressedInput {
   std::vector<uint8_t> buffer_;
   std::span<const uint8_t> window_;
   uint64_t total_bytes_ = 0;
+  uint64_t stored_bytes_ = 0;
   uint64_t consumed_ = 0;
   bool end_of_file_ = false;
 };
@@ -502,7 +507,7 @@ IdxFile IdxFile::open(const std::string& path) {
     if (is_gzip(contents)) {
       // Streamed from the descriptor: inflated only as far as the header
       // declares, and the compressed bytes after that never read whole.
-      CompressedInput compressed(file.fd, std::move(contents), opened.size, path);
+      CompressedInput compressed(file.fd, std::move(contents), opened.size, opened.stored, path);
       contents = gunzip_idx(compressed, path);
     } else {
       read_more(file, file_bytes, std::numeric_limits<size_t>::max(), contents, path);

@@ -54,6 +54,7 @@ OpenedFile open_regular_file(const std::string& path) {
     return file;
   }
   file.size = static_cast<uint64_t>(status.st_size);
+  file.stored = static_cast<uint64_t>(status.st_blocks) * 512;  // st_blocks counts 512-byte units
   return file;
 }
 

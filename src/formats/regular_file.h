@@ -13,6 +13,7 @@ std::string os_reason(int error_number);
 struct OpenedFile {
   int fd = -1;        // owned by the caller when `problem` is empty
   uint64_t size = 0;  // from fstat
+  uint64_t stored = 0;  // st_blocks' bytes: fewer than `size` where the file is sparse
   std::string problem;
 };
 

@@ -12,10 +12,12 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -198,6 +200,60 @@ TEST(Launcher, ASpawnFailureLeavesNoEarlierProcessRunning) {
   const pid_t left = ::waitpid(-1, &status, WNOHANG);
   EXPECT_EQ(left, -1) << "a child of this process is still running after run_all threw";
   EXPECT_EQ(errno, ECHILD);
+}
+
+// Its state in /proc ('Z' for a zombie), or 0 when it is gone.
+char process_state(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  return close == std::string::npos || close + 2 >= text.size() ? 0 : text[close + 2];
+}
+
+// A test binary killed mid-run (by its timeout, or a user) leaves no rank
+// behind: each is started with a parent-death signal. Here a child process
+// runs run_all and is killed; the rank it started (a shell that writes its
+// pid, then sleeps) must end with it. Before, it slept on, re-parented.
+TEST(Launcher, ARankEndsWithTheProcessThatLaunchedIt) {
+  const std::string pid_file = std::filesystem::temp_directory_path() /
+                               ("conveyor-launcher-rank-" + std::to_string(::getpid()) + ".pid");
+  std::filesystem::remove(pid_file);
+  const pid_t runner = ::fork();
+  ASSERT_GE(runner, 0);
+  if (runner == 0) {
+    try {
+      conveyor::test::run_all({{{"/bin/sh", "-c", "echo $$ > " + pid_file + ".tmp && mv " + pid_file +
+                                                      ".tmp " + pid_file + " && exec sleep 300"},
+                                {}}},
+                              milliseconds(60000));
+    } catch (...) {
+    }
+    ::_exit(0);
+  }
+  // Waits (at most 30 s) for the rank to say who it is: an event in another
+  // process, looked at every 10 ms.
+  pid_t rank = 0;
+  for (int look = 0; look < 3000 && rank == 0; ++look) {
+    std::ifstream in(pid_file);
+    if (!(in >> rank)) {
+      rank = 0;
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+  }
+  ::kill(runner, SIGKILL);
+  ::waitpid(runner, nullptr, 0);
+  ASSERT_GT(rank, 0) << "the rank never wrote " << pid_file;
+  std::filesystem::remove(pid_file);
+  // The signal is sent as the runner ends; the rank's end is looked for
+  // for at most 30 s.
+  char state = process_state(rank);
+  for (int look = 0; look < 3000 && state != 0 && state != 'Z'; ++look) {
+    std::this_thread::sleep_for(milliseconds(10));
+    state = process_state(rank);
+  }
+  EXPECT_TRUE(state == 0 || state == 'Z') << "rank " << rank << " outlived the process that launched it";
+  if (state != 0 && state != 'Z') ::kill(rank, SIGKILL);
+  ::waitpid(rank, nullptr, WNOHANG);  // ours to reap where this process is a subreaper
 }
 
 // ---- many ranks ---------------------------------------------------------------------

@@ -4,7 +4,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -161,6 +160,57 @@ std::string LaunchResult::describe() const {
 
 namespace {
 
+// Starts argv[0] with `envp`, its output (stdout and stderr) to `log`, in a
+// process group of its own (the deadline kills torchrun's workers with it),
+// and killed when the thread that started it ends: a test binary killed by
+// its timeout, or a user, leaves no rank running (posix_spawn cannot set a
+// parent-death signal; torchrun's and mpirun's own children are theirs to
+// end). Between fork and exec the child makes only async-signal-safe calls;
+// an exec that fails reports its errno through a close-on-exec pipe.
+pid_t start_process(char* const argv[], char* const envp[], const char* log) {
+  int report[2];
+  if (::pipe2(report, O_CLOEXEC) != 0) fail("pipe2");
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int error = errno;
+    ::close(report[0]);
+    ::close(report[1]);
+    errno = error;
+    fail("fork");
+  }
+  if (pid == 0) {
+    int error = 0;
+    if (::setpgid(0, 0) != 0 || ::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) {
+      error = errno;
+    } else if (::getppid() != parent) {
+      ::_exit(127);  // the parent ended before the signal was set
+    } else if (const int fd = ::open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+               fd < 0 || ::dup2(fd, 1) < 0 || ::dup2(fd, 2) < 0) {
+      error = errno;
+    } else {
+      ::execve(argv[0], argv, envp);
+      error = errno;
+    }
+    (void)!::write(report[1], &error, sizeof error);
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // as the child does: whichever runs first, kill(-pid) finds the group
+  ::close(report[1]);
+  int error = 0;
+  ssize_t got;
+  do {
+    got = ::read(report[0], &error, sizeof error);
+  } while (got < 0 && errno == EINTR);
+  ::close(report[0]);
+  if (got == static_cast<ssize_t>(sizeof error)) {
+    ::waitpid(pid, nullptr, 0);
+    errno = error;
+    fail(std::string("start ") + argv[0]);
+  }
+  return pid;
+}
+
 // A started process: its pid, a descriptor that polls for its exit, its log.
 struct Child {
   pid_t pid = -1;
@@ -190,25 +240,7 @@ void spawn_and_wait(const std::vector<Command>& commands, std::chrono::milliseco
     argv.push_back(nullptr);
 
     children[i].log = dir + "/process-" + std::to_string(i) + ".log";
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_addopen(&actions, 1, children[i].log.c_str(),
-                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    posix_spawnattr_t attributes;
-    posix_spawnattr_init(&attributes);
-    // A group of its own: the deadline kills torchrun's workers with it.
-    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
-    posix_spawnattr_setpgroup(&attributes, 0);
-    pid_t pid = -1;
-    int rc = ::posix_spawn(&pid, argv[0], &actions, &attributes, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attributes);
-    if (rc != 0) {
-      errno = rc;
-      fail("posix_spawn " + commands[i].argv[0]);
-    }
-    children[i].pid = pid;
+    children[i].pid = start_process(argv.data(), envp.data(), children[i].log.c_str());
     children[i].pidfd = pidfd_open(children[i].pid);
     if (children[i].pidfd < 0) fail("pidfd_open");
   }

@@ -179,6 +179,10 @@ class PoolReader final : public FileReader {
 // other data, and the tests use one ring at a time.
 std::atomic<int> submits_to_pass{0};
 std::atomic<int> submits_to_fail{0};
+// detail::uring_descriptor_wait: how long a reader holding no descriptor
+// waits for one (10 s unless a test shortens it). relaxed: read when a
+// shortage is met, set by a test between passes; it publishes nothing.
+std::atomic<int64_t> descriptor_wait_ms{10'000};
 
 #if CONVEYOR_IO_HAVE_URING
 
@@ -326,6 +330,7 @@ class UringReader final : public FileReader {
         waiting_.pop_front();
         delete next;
         --outstanding_;
+        idle_locked();
         continue;
       }
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
@@ -347,14 +352,17 @@ class UringReader final : public FileReader {
   // instead of failing: while this reader holds open files, until one of
   // them is released, and its admissions are capped at what it holds;
   // holding none, until the ring thread's next periodic look (every
-  // kStopCheck), for at most kDescriptorWait without an open succeeding.
+  // kStopCheck), for at most 10 s (descriptor_wait_ms) without an open
+  // succeeding: one wait, counted from this reader's first EMFILE since it
+  // last had nothing to do (idle_locked).
   // False when it must fail: that wait is over, or the kernel has no timed
   // wait to look with. Under mutex_.
   bool requeue_for_a_descriptor_locked(Request& r) {
     const auto now = std::chrono::steady_clock::now();
     if (!shortage_since_) shortage_since_ = now;
     --open_;
-    if (open_ == 0 && (!timed_waits_ || now - *shortage_since_ > kDescriptorWait)) {
+    const std::chrono::milliseconds wait(descriptor_wait_ms.load(std::memory_order_relaxed));
+    if (open_ == 0 && (!timed_waits_ || now - *shortage_since_ > wait)) {
       ++open_;  // released with the request
       return false;
     }
@@ -374,6 +382,16 @@ class UringReader final : public FileReader {
     delete r;
     --outstanding_;
     --open_;
+    idle_locked();
+  }
+  // With nothing left to do, a shortage met before is over: the next one is
+  // waited out afresh, not failed at once for a wait that ended long ago
+  // (its file dropped with a pass left early, or failed). Under mutex_.
+  void idle_locked() noexcept {
+    if (outstanding_ != 0) return;
+    shortage_since_.reset();
+    short_of_descriptors_ = false;
+    shortage_limit_ = std::numeric_limits<size_t>::max();
   }
 
   // A free entry, submitting what is queued when there is none. Under mutex_.
@@ -582,7 +600,6 @@ class UringReader final : public FileReader {
   size_t shortage_limit_ = std::numeric_limits<size_t>::max();
   std::optional<std::chrono::steady_clock::time_point> shortage_since_;
   bool short_of_descriptors_ = false;
-  static constexpr std::chrono::seconds kDescriptorWait{10};
   size_t open_ = 0;  // requests in the ring: opening, open, or reading
   std::deque<Request*> waiting_;  // not opened yet: no place, or no entry, was free
   std::thread thread_;
@@ -689,6 +706,9 @@ namespace detail {
 void fail_uring_submits(int after, int count) {
   submits_to_pass.store(after, std::memory_order_relaxed);
   submits_to_fail.store(count, std::memory_order_relaxed);
+}
+void uring_descriptor_wait(std::chrono::milliseconds wait) {
+  descriptor_wait_ms.store(wait.count(), std::memory_order_relaxed);
 }
 bool uring_stop_is_bounded() { return probe().timed_waits; }
 }  // namespace detail

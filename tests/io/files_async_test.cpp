@@ -12,11 +12,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if CONVEYOR_IO_TEST_FORMATS
@@ -58,6 +61,13 @@ class Dir {
 std::vector<uint8_t> contents(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The paths one whole pass reads, in order; a failed file throws.
+std::vector<std::string> one_pass_paths(conveyor::Pipeline<FileBytes>& pipeline) {
+  std::vector<std::string> paths;
+  for (FileBytes& file : pipeline.pass()) paths.push_back(file.path);
+  return paths;
 }
 
 class ReadFilesAsync : public ::testing::TestWithParam<FileIoBackend> {
@@ -261,6 +271,71 @@ TEST_P(ReadFilesAsync, FilesWaitForADescriptorWhenTheProcessHasRunOut) {
   }
   EXPECT_EQ(n, paths.size());
   EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+}
+
+// A reader holding no descriptor waits for one (here 1.5 s), then fails
+// the file. Its wait then ended with it: the next time the process runs out,
+// the reader waits afresh. It used to keep the old wait's start, so the next
+// shortage's first file failed at once ("Too many open files"; OnError::skip
+// would drop it), however short that shortage was.
+TEST(ReadFilesAsyncUring, AShortageLongOverIsNotHeldAgainstTheNext) {
+  if (nodes::file_io_backend() != "io_uring") GTEST_SKIP() << "io_uring is not usable here";
+  if (!nodes::detail::uring_stop_is_bounded()) GTEST_SKIP() << "the ring thread has no periodic look here";
+  Dir dir;
+  const std::string file = dir.file("g0", 64);
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit lowered = saved;
+  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  nodes::detail::uring_descriptor_wait(std::chrono::milliseconds(1500));
+  struct Held {
+    rlimit limit;
+    std::mutex mutex;
+    std::vector<int> fds;
+    void take_all() {
+      const std::lock_guard lock(mutex);
+      for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fds.push_back(fd);
+    }
+    void release(size_t count) {
+      const std::lock_guard lock(mutex);
+      for (; count > 0 && !fds.empty(); --count) {
+        close(fds.back());
+        fds.pop_back();
+      }
+    }
+    ~Held() {
+      release(fds.size());
+      setrlimit(RLIMIT_NOFILE, &limit);
+      nodes::detail::uring_descriptor_wait(std::chrono::seconds(10));
+    }
+  } held{saved, {}, {}};
+  auto pipeline = nodes::from_vector(std::vector<std::string>{file}) |
+                  nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
+  EXPECT_EQ(one_pass_paths(pipeline), std::vector<std::string>{file}) << "the ring made, with descriptors to spare";
+  held.take_all();
+  try {
+    (void)one_pass_paths(pipeline);
+    ADD_FAILURE() << "read a file with no descriptor free for 1.5 s";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("g0: cannot open: Too many open files"), std::string::npos) << e.what();
+  }
+  // Still none free: a shortage that another thread ends after 0.3 s, well
+  // within the wait.
+  std::thread giver([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    held.release(8);
+  });
+  std::vector<std::string> got;
+  std::string error;
+  try {
+    got = one_pass_paths(pipeline);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  giver.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(got, std::vector<std::string>{file});
 }
 
 // open() stops at a NUL: "dir/a\0missing" read dir/a, labelled with the

@@ -84,6 +84,15 @@ class FileReader {
   virtual void read(std::string path, Done done) = 0;
 };
 
+// detail::descriptor_wait: how long a reader waits for a descriptor while
+// the process has none (10 s unless a test shortens it). relaxed: read when
+// a shortage is met, set by a test between passes; it publishes nothing.
+std::atomic<int64_t> descriptor_wait_ms{10'000};
+// How often a reader waiting for a descriptor, or to stop, looks again.
+constexpr std::chrono::milliseconds kLookAgain{200};
+
+bool out_of_descriptors(int error) { return error == EMFILE || error == ENFILE; }
+
 // ---- the thread pool -----------------------------------------------------------
 
 class PoolReader final : public FileReader {
@@ -97,6 +106,7 @@ class PoolReader final : public FileReader {
       stopping_ = true;
     }
     wake_.notify_all();
+    closed_.notify_all();
     for (auto& thread : threads_) thread.join();
     // Requests still queued belong to a node that is going: their
     // completions are dropped with the queue, delivering nothing.
@@ -128,16 +138,43 @@ class PoolReader final : public FileReader {
     }
   }
 
+  // The file's descriptor, or -1 with errno. Where the process has none
+  // left (EMFILE, ENFILE: other readers or the program hold them), it waits
+  // for one, as the io_uring reader does, rather than failing a good file:
+  // looking again when another thread of the pool closes its file, or every
+  // kLookAgain, for at most the descriptor wait (descriptor_wait_ms).
+  int open_waiting_for_a_descriptor(const Request& request) {
+    std::optional<std::chrono::steady_clock::time_point> since;
+    while (true) {
+      int fd;
+      do {
+        fd = ::open(request.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+      } while (fd < 0 && errno == EINTR);
+      if (fd >= 0 || !out_of_descriptors(errno)) return fd;
+      const int error = errno;
+      const auto now = std::chrono::steady_clock::now();
+      if (!since) since = now;
+      std::unique_lock lock(mutex_);
+      if (stopping_ || request.done.cancelled() ||
+          now - *since > std::chrono::milliseconds(descriptor_wait_ms.load(std::memory_order_relaxed))) {
+        errno = error;
+        return -1;
+      }
+      closed_.wait_for(lock, kLookAgain);
+    }
+  }
+
   void serve(Request& request) {
-    int fd;
-    do {
-      fd = ::open(request.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    } while (fd < 0 && errno == EINTR);
+    const int fd = open_waiting_for_a_descriptor(request);
     if (fd < 0) return fail(request.done, "cannot open: " + os_reason(errno), request.path);
     struct Closer {
+      PoolReader& pool;
       int fd;
-      ~Closer() { ::close(fd); }
-    } closer{fd};
+      ~Closer() {
+        ::close(fd);
+        pool.closed_.notify_all();  // a thread waiting for a descriptor may take this one
+      }
+    } closer{*this, fd};
     struct stat status {};
     if (::fstat(fd, &status) != 0) return fail(request.done, "cannot stat: " + os_reason(errno), request.path);
     const auto size = static_cast<uint64_t>(status.st_size);
@@ -166,6 +203,7 @@ class PoolReader final : public FileReader {
   uint64_t max_bytes_;
   std::mutex mutex_;
   std::condition_variable wake_;
+  std::condition_variable closed_;  // a file closed: a descriptor is free
   std::deque<Request> queue_;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
@@ -179,10 +217,6 @@ class PoolReader final : public FileReader {
 // other data, and the tests use one ring at a time.
 std::atomic<int> submits_to_pass{0};
 std::atomic<int> submits_to_fail{0};
-// detail::uring_descriptor_wait: how long a reader holding no descriptor
-// waits for one (10 s unless a test shortens it). relaxed: read when a
-// shortage is met, set by a test between passes; it publishes nothing.
-std::atomic<int64_t> descriptor_wait_ms{10'000};
 
 #if CONVEYOR_IO_HAVE_URING
 
@@ -477,7 +511,7 @@ class UringReader final : public FileReader {
         auto* request = static_cast<Request*>(data);
         if (!request) continue;  // the stop entry: stopping_ is set
         if (request->step == Request::Step::open) {
-          if ((cqe->res == -EMFILE || cqe->res == -ENFILE) && requeue_for_a_descriptor_locked(*request)) continue;
+          if (out_of_descriptors(-cqe->res) && requeue_for_a_descriptor_locked(*request)) continue;
           if (cqe->res >= 0) opened_locked();
         }
         if (advance(*request, cqe->res)) {
@@ -707,7 +741,7 @@ void fail_uring_submits(int after, int count) {
   submits_to_pass.store(after, std::memory_order_relaxed);
   submits_to_fail.store(count, std::memory_order_relaxed);
 }
-void uring_descriptor_wait(std::chrono::milliseconds wait) {
+void descriptor_wait(std::chrono::milliseconds wait) {
   descriptor_wait_ms.store(wait.count(), std::memory_order_relaxed);
 }
 bool uring_stop_is_bounded() { return probe().timed_waits; }

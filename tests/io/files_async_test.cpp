@@ -70,6 +70,45 @@ std::vector<std::string> one_pass_paths(conveyor::Pipeline<FileBytes>& pipeline)
   return paths;
 }
 
+// Descriptors this test holds, under RLIMIT_NOFILE lowered to 256, and a
+// reader's wait for one shortened to 1.5 s; all given back at the end.
+class HeldDescriptors {
+ public:
+  HeldDescriptors() {
+    if (getrlimit(RLIMIT_NOFILE, &saved_) != 0) return;
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(saved_.rlim_cur, 256);
+    lowered_ = setrlimit(RLIMIT_NOFILE, &lowered) == 0;
+    nodes::detail::descriptor_wait(std::chrono::milliseconds(1500));
+  }
+  ~HeldDescriptors() {
+    release(SIZE_MAX);
+    if (lowered_) setrlimit(RLIMIT_NOFILE, &saved_);
+    nodes::detail::descriptor_wait(std::chrono::seconds(10));
+  }
+  HeldDescriptors(const HeldDescriptors&) = delete;
+  HeldDescriptors& operator=(const HeldDescriptors&) = delete;
+  bool lowered() const { return lowered_; }
+  // Every descriptor the process has left.
+  void take_all() {
+    const std::lock_guard lock(mutex_);
+    for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fds_.push_back(fd);
+  }
+  void release(size_t count) {
+    const std::lock_guard lock(mutex_);
+    for (; count > 0 && !fds_.empty(); --count) {
+      close(fds_.back());
+      fds_.pop_back();
+    }
+  }
+
+ private:
+  rlimit saved_{};
+  bool lowered_ = false;
+  std::mutex mutex_;
+  std::vector<int> fds_;
+};
+
 class ReadFilesAsync : public ::testing::TestWithParam<FileIoBackend> {
  protected:
   void SetUp() override {
@@ -273,6 +312,36 @@ TEST_P(ReadFilesAsync, FilesWaitForADescriptorWhenTheProcessHasRunOut) {
   EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
 }
 
+// The process has no descriptor left (other readers or the program hold
+// them all) and another thread gives some back after 0.3 s: the reader waits
+// for one (here up to 1.5 s) and reads the file. Before, the open's EMFILE
+// failed it at once (OnError::skip dropped it), on either backend.
+TEST_P(ReadFilesAsync, AReaderWaitsForADescriptorWhileTheProcessHasNone) {
+  Dir dir;
+  const std::string file = dir.file("w0", 64);
+  HeldDescriptors held;
+  ASSERT_TRUE(held.lowered()) << "cannot lower RLIMIT_NOFILE";
+  auto pipeline = nodes::from_vector(std::vector<std::string>{file}) | nodes::read_files_async(options(4));
+  // The backend started (the ring made, the threads running) while there
+  // are descriptors to spare: making a ring takes one.
+  EXPECT_EQ(one_pass_paths(pipeline), std::vector<std::string>{file});
+  held.take_all();
+  std::thread giver([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    held.release(8);
+  });
+  std::vector<std::string> got;
+  std::string error;
+  try {
+    got = one_pass_paths(pipeline);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  giver.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(got, std::vector<std::string>{file});
+}
+
 // A reader holding no descriptor waits for one (here 1.5 s), then fails
 // the file. Its wait then ended with it: the next time the process runs out,
 // the reader waits afresh. It used to keep the old wait's start, so the next
@@ -283,33 +352,8 @@ TEST(ReadFilesAsyncUring, AShortageLongOverIsNotHeldAgainstTheNext) {
   if (!nodes::detail::uring_stop_is_bounded()) GTEST_SKIP() << "the ring thread has no periodic look here";
   Dir dir;
   const std::string file = dir.file("g0", 64);
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit lowered = saved;
-  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
-  nodes::detail::uring_descriptor_wait(std::chrono::milliseconds(1500));
-  struct Held {
-    rlimit limit;
-    std::mutex mutex;
-    std::vector<int> fds;
-    void take_all() {
-      const std::lock_guard lock(mutex);
-      for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fds.push_back(fd);
-    }
-    void release(size_t count) {
-      const std::lock_guard lock(mutex);
-      for (; count > 0 && !fds.empty(); --count) {
-        close(fds.back());
-        fds.pop_back();
-      }
-    }
-    ~Held() {
-      release(fds.size());
-      setrlimit(RLIMIT_NOFILE, &limit);
-      nodes::detail::uring_descriptor_wait(std::chrono::seconds(10));
-    }
-  } held{saved, {}, {}};
+  HeldDescriptors held;
+  ASSERT_TRUE(held.lowered()) << "cannot lower RLIMIT_NOFILE";
   auto pipeline = nodes::from_vector(std::vector<std::string>{file}) |
                   nodes::read_files_async({.max_in_flight = 4, .backend = FileIoBackend::io_uring});
   EXPECT_EQ(one_pass_paths(pipeline), std::vector<std::string>{file}) << "the ring made, with descriptors to spare";

@@ -77,10 +77,10 @@ namespace detail {
 // first `after` go through, then `count` fail with EAGAIN (as a kernel short
 // of memory fails them), their entries left in the ring, not taken.
 void fail_uring_submits(int after, int count);
-// For tests: how long an io_uring reader that holds no descriptor waits for
-// one when the process has run out (EMFILE), before failing the file; 10 s
-// unless set. Any node, from now on.
-void uring_descriptor_wait(std::chrono::milliseconds wait);
+// For tests: how long a reader waits for a descriptor while the process has
+// none (EMFILE), before failing the file; 10 s unless set. Any node, either
+// backend, from now on.
+void descriptor_wait(std::chrono::milliseconds wait);
 // Whether a ring's thread waits with a timeout here (IORING_FEAT_EXT_ARG,
 // Linux 5.11): a node's destructor then returns even if the kernel never
 // takes its stop entry. Elsewhere it submits that entry until taken.

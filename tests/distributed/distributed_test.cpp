@@ -108,16 +108,21 @@ TEST(DistributedEnvironment, ReadsTorchrunVariables) {
   EXPECT_TRUE(read(with(kTorchrun, "TORCHELASTIC_USE_AGENT_STORE", "True")).agent_store);
 }
 
+// Whose variables `env` holds, and the rank's place in the job and the node.
+void expect_place(const dist::Environment& env, const std::string& launcher, int rank, int world_size,
+                  int local_rank, int local_world_size) {
+  EXPECT_EQ(env.launcher, launcher);
+  EXPECT_EQ(env.rank, rank);
+  EXPECT_EQ(env.world_size, world_size);
+  EXPECT_EQ(env.local_rank, local_rank);
+  EXPECT_EQ(env.local_world_size, local_world_size);
+}
+
 TEST(DistributedEnvironment, ReadsOpenMpiVariables) {
   Vars mpi = {{"OMPI_COMM_WORLD_RANK", "2"},       {"OMPI_COMM_WORLD_SIZE", "3"},
               {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
               {"MASTER_ADDR", "node0"},            {"MASTER_PORT", "1234"}};
-  dist::Environment env = read(mpi);
-  EXPECT_EQ(env.rank, 2);
-  EXPECT_EQ(env.world_size, 3);
-  EXPECT_EQ(env.local_rank, 0);
-  EXPECT_EQ(env.local_world_size, 1);
-  EXPECT_EQ(env.launcher, "Open MPI");
+  expect_place(read(mpi), "Open MPI", 2, 3, 0, 1);
   EXPECT_NE(error_of(with(mpi, "MASTER_ADDR", "")).find("pass -x MASTER_ADDR="),
             std::string::npos);
 }
@@ -128,12 +133,7 @@ TEST(DistributedEnvironment, ReadsOpenMpiVariables) {
 TEST(DistributedEnvironment, ReadsMpichVariables) {
   Vars hydra = {{"PMI_RANK", "3"},        {"PMI_SIZE", "4"},         {"MPI_LOCALRANKID", "1"},
                 {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "1234"}};
-  dist::Environment env = read(hydra);
-  EXPECT_EQ(env.rank, 3);
-  EXPECT_EQ(env.world_size, 4);
-  EXPECT_EQ(env.local_rank, 1);
-  EXPECT_EQ(env.local_world_size, 2);
-  EXPECT_EQ(env.launcher, "MPICH");
+  expect_place(read(hydra), "MPICH", 3, 4, 1, 2);
   EXPECT_EQ(error_of(with(hydra, "PMI_RANK", "4")), "conveyor::distributed: PMI_RANK='4' is not below PMI_SIZE='4'");
   EXPECT_NE(error_of(with(hydra, "MASTER_ADDR", "")).find("pass -genv MASTER_ADDR"), std::string::npos);
   EXPECT_EQ(read(with(with(hydra, "RANK", "0"), "WORLD_SIZE", "1")).launcher, "torchrun")

@@ -89,10 +89,11 @@ class HeldDescriptors {
   HeldDescriptors(const HeldDescriptors&) = delete;
   HeldDescriptors& operator=(const HeldDescriptors&) = delete;
   bool lowered() const { return lowered_; }
-  // Every descriptor the process has left.
-  void take_all() {
+  // Every descriptor the process has left; the errno that ended it.
+  int take_all() {
     const std::lock_guard lock(mutex_);
     for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fds_.push_back(fd);
+    return errno;
   }
   void release(size_t count) {
     const std::lock_guard lock(mutex_);
@@ -108,6 +109,42 @@ class HeldDescriptors {
   std::mutex mutex_;
   std::vector<int> fds_;
 };
+
+// One pass reads every one of `paths` (each `size` bytes), in order, and
+// skips none.
+void expect_one_whole_pass(conveyor::Pipeline<FileBytes>& pipeline, const std::vector<std::string>& paths,
+                           size_t size) {
+  size_t n = 0;
+  for (FileBytes& file : pipeline.pass()) {
+    if (n < paths.size()) {
+      EXPECT_EQ(file.path, paths[n]);
+    }
+    EXPECT_EQ(file.bytes.size(), size);
+    ++n;
+  }
+  EXPECT_EQ(n, paths.size());
+  EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+}
+
+// One pass of `pipeline` with every descriptor taken, and another thread
+// giving 8 back after 0.3 s (a shortage well within the 1.5 s wait): the
+// paths read go to `got`; returns the pass's error text, "" for none.
+std::string pass_through_a_short_shortage(conveyor::Pipeline<FileBytes>& pipeline, HeldDescriptors& held,
+                                          std::vector<std::string>& got) {
+  held.take_all();
+  std::thread giver([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    held.release(8);
+  });
+  std::string error;
+  try {
+    got = one_pass_paths(pipeline);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  giver.join();
+  return error;
+}
 
 class ReadFilesAsync : public ::testing::TestWithParam<FileIoBackend> {
  protected:
@@ -260,14 +297,7 @@ TEST_P(ReadFilesAsync, AWindowWiderThanTheDescriptorLimitReadsEveryFile) {
     auto early = pipeline.pass();
     for (int k = 0; k < 10; ++k) ASSERT_TRUE(early.next());
   }
-  size_t n = 0;
-  for (FileBytes& file : pipeline.pass()) {
-    EXPECT_EQ(file.path, paths[n]);
-    EXPECT_EQ(file.bytes.size(), 64u);
-    ++n;
-  }
-  EXPECT_EQ(n, paths.size());
-  EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+  expect_one_whole_pass(pipeline, paths, 64);
 }
 
 // The program holds all but 24 of its descriptors, fewer than the io_uring
@@ -279,37 +309,14 @@ TEST_P(ReadFilesAsync, FilesWaitForADescriptorWhenTheProcessHasRunOut) {
   Dir dir;
   std::vector<std::string> paths;
   for (int i = 0; i < 600; ++i) paths.push_back(dir.file("d" + std::to_string(i), 64));
-  rlimit saved{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit lowered = saved;
-  lowered.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 256);
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
-  struct Held {
-    rlimit limit;
-    std::vector<int> fds;
-    ~Held() {
-      for (int fd : fds) close(fd);
-      setrlimit(RLIMIT_NOFILE, &limit);
-    }
-  } held{saved, {}};
-  for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held.fds.push_back(fd);
-  ASSERT_EQ(errno, EMFILE);
-  ASSERT_GE(held.fds.size(), 24u);
-  for (int k = 0; k < 24; ++k) {
-    close(held.fds.back());
-    held.fds.pop_back();
-  }
+  HeldDescriptors held;
+  ASSERT_TRUE(held.lowered()) << "cannot lower RLIMIT_NOFILE";
+  ASSERT_EQ(held.take_all(), EMFILE);
+  held.release(24);
   auto opts = options(1024);
   opts.on_error = OnError::skip;
   auto pipeline = nodes::from_vector(paths) | nodes::read_files_async(opts);
-  size_t n = 0;
-  for (FileBytes& file : pipeline.pass()) {
-    EXPECT_EQ(file.path, paths[n]);
-    EXPECT_EQ(file.bytes.size(), 64u);
-    ++n;
-  }
-  EXPECT_EQ(n, paths.size());
-  EXPECT_EQ(pipeline.metrics().back().skipped, 0u);
+  expect_one_whole_pass(pipeline, paths, 64);
 }
 
 // The process has no descriptor left (other readers or the program hold
@@ -325,20 +332,8 @@ TEST_P(ReadFilesAsync, AReaderWaitsForADescriptorWhileTheProcessHasNone) {
   // The backend started (the ring made, the threads running) while there
   // are descriptors to spare: making a ring takes one.
   EXPECT_EQ(one_pass_paths(pipeline), std::vector<std::string>{file});
-  held.take_all();
-  std::thread giver([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    held.release(8);
-  });
   std::vector<std::string> got;
-  std::string error;
-  try {
-    got = one_pass_paths(pipeline);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  giver.join();
-  EXPECT_EQ(error, "");
+  EXPECT_EQ(pass_through_a_short_shortage(pipeline, held, got), "");
   EXPECT_EQ(got, std::vector<std::string>{file});
 }
 
@@ -364,21 +359,9 @@ TEST(ReadFilesAsyncUring, AShortageLongOverIsNotHeldAgainstTheNext) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("g0: cannot open: Too many open files"), std::string::npos) << e.what();
   }
-  // Still none free: a shortage that another thread ends after 0.3 s, well
-  // within the wait.
-  std::thread giver([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    held.release(8);
-  });
+  // Still none free: a shortage shorter than the wait.
   std::vector<std::string> got;
-  std::string error;
-  try {
-    got = one_pass_paths(pipeline);
-  } catch (const std::exception& e) {
-    error = e.what();
-  }
-  giver.join();
-  EXPECT_EQ(error, "");
+  EXPECT_EQ(pass_through_a_short_shortage(pipeline, held, got), "");
   EXPECT_EQ(got, std::vector<std::string>{file});
 }
 

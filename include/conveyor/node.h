@@ -344,6 +344,7 @@ class Pipeline {
     refused.accepted = true;
     ++epoch_;
     progress_ = progress;
+    resumed_ = std::move(resume);
     return Pass(*node_, std::move(progress));
   }
 
@@ -361,16 +362,16 @@ class Pipeline {
     // fresh one, handed its items out twice), under the fingerprint it was
     // saved with: a seed() or shard() since then makes pass() refuse it, and
     // so must every other pipeline.
-    if (resume_) {
-      State out = resume_->saved;
-      out.set("epoch", resume_->epoch);
-      out.set("received", resume_->received);
-      out.set("errors", resume_->errors);
-      out.set("nodes", resume_->nodes);
-      return out;
+    if (resume_) return loaded_state(*resume_);
+    const bool in_pass = progress_ && progress_->live && !progress_->ended;
+    // So is a resumed pass that has handed nothing out since: its nodes may
+    // not have replayed their part yet (a shuffle fills its buffer at its
+    // first item), and would describe the pass's start (a repeat's round 0
+    // under 311 items received, refused on loading).
+    if (in_pass && resumed_ && progress_->epoch == resumed_->epoch && progress_->received == resumed_->received) {
+      return loaded_state(*resumed_);
     }
     State out = state_envelope("conveyor.Pipeline", fingerprint());
-    const bool in_pass = progress_ && progress_->live && !progress_->ended;
     out.set("epoch", in_pass ? progress_->epoch : epoch_);
     out.set("received", in_pass ? progress_->received : uint64_t{0});
     out.set("errors", in_pass ? progress_->errors : uint64_t{0});
@@ -416,6 +417,16 @@ class Pipeline {
     uint64_t errors = 0;
     State nodes;
   };
+  // A loaded state as state() gives it back, under the fingerprint it was
+  // saved with.
+  static State loaded_state(const Resume& resume) {
+    State out = resume.saved;
+    out.set("epoch", resume.epoch);
+    out.set("received", resume.received);
+    out.set("errors", resume.errors);
+    out.set("nodes", resume.nodes);
+    return out;
+  }
 
   // The graph's shape: its nodes' names, without how they run (a map's
   // workers, requests in flight, a prefetch's or a transfer's depth): a
@@ -467,6 +478,7 @@ class Pipeline {
   bool timed_ = false;
   std::shared_ptr<PassProgress> progress_;  // the last pass's
   std::optional<Resume> resume_;            // load_state's, for the next pass
+  std::optional<Resume> resumed_;           // the one the current pass began from
 };
 
 template <class T>

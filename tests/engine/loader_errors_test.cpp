@@ -125,6 +125,56 @@ TEST(SamplerErrors, ASamplerThatThrowsOnceLosesNoBatchAndTheErrorKeepsItsPlace) 
   }
 }
 
+// Indices 0..n-1; the pass's call for index `fail_at` throws once and the
+// call after it would go on with that index.
+class FlakyIndexSampler final : public conveyor::Sampler<size_t> {
+ public:
+  FlakyIndexSampler(size_t n, size_t fail_at) : n_(n), fail_at_(fail_at) {}
+  size_t size() const override { return n_; }
+  std::string name() const override { return "FlakyIndexSampler"; }
+  std::unique_ptr<conveyor::SamplerIterator<size_t>> iter() override {
+    class Iterator final : public conveyor::SamplerIterator<size_t> {
+     public:
+      Iterator(size_t n, size_t fail_at) : n_(n), fail_at_(fail_at) {}
+      bool next(size_t& out) override {
+        if (next_ >= n_) return false;
+        if (next_ == fail_at_ && !failed_) {
+          failed_ = true;
+          throw std::runtime_error("sampler next() broke");
+        }
+        out = next_++;
+        return true;
+      }
+
+     private:
+      size_t n_;
+      size_t fail_at_;
+      size_t next_ = 0;
+      bool failed_ = false;
+    };
+    return std::make_unique<Iterator>(n_, fail_at_);
+  }
+
+ private:
+  size_t n_;
+  size_t fail_at_;
+};
+
+TEST(SamplerErrors, ASamplerUnderTheDefaultBatchSamplerEndsTheEpochWhenItRaises) {
+  // PyTorch's BatchSampler is a generator: once the sampler inside it
+  // raised, it is finished. The error keeps its place after the batches
+  // drawn before it; the batch it was filling ({4, 5}) is gone with it.
+  RangeDataset dataset(20);
+  const std::vector<std::string> expected = {"0", "2", "error:sampler next() broke"};
+  for (int workers : {0, 2}) {
+    SCOPED_TRACE(std::to_string(workers) + " workers");
+    conveyor::DataLoader loader(dataset, {.batch_size = 2, .sampler = std::make_shared<FlakyIndexSampler>(20, 5),
+                                          .num_workers = workers});
+    auto epoch = loader.iter();
+    EXPECT_EQ(walk(epoch), expected);
+  }
+}
+
 // A state taken just after the consumer received a sampler error resumes
 // with the batch after it, also when a transfer stage ran ahead of the
 // consumer (its bookkeeping commits one record per thing received, and the

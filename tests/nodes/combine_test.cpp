@@ -11,8 +11,10 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/datasets.h"
@@ -380,6 +382,101 @@ TEST(Combine, WeightedMuxNamesTheBadWeightAndItsIndex) {
   } catch (const conveyor::ValueError& e) {
     EXPECT_STREQ(e.what(), "join: needs at least one pipeline to merge, but got none");
   }
+}
+
+// A fork's upstream is numbered in a space of its own: which consumer's
+// pass() comes first decides neither its shuffle nor where a resumed pass
+// picks up. Before, the first consumer's walk numbered upstream, so the
+// branch inside zip (where from_range came first) and the bare branch
+// gave different orders, and a state saved one way and resumed the other
+// handed items out twice and lost others.
+TEST(Combine, AForkUpstreamDrawsAndResumesAlikeWhicheverConsumerStartsFirst) {
+  struct Graph {
+    Pipeline<int64_t> zipped;
+    Pipeline<int64_t> bare;
+  };
+  const auto make = [] {
+    auto outputs = nodes::fork(nodes::from_range(0, 12) | nodes::shuffle(12), 2, 64);
+    auto zipped = nodes::zip(nodes::from_range(100, 200), std::move(outputs[0])) |
+                  nodes::map([](std::pair<int64_t, int64_t> pair) { return pair.second; });
+    Graph graph{std::move(zipped), std::move(outputs[1])};
+    graph.zipped.seed(5);
+    graph.bare.seed(5);
+    return graph;
+  };
+  const auto run = [](Graph& graph, bool zipped_first) {
+    std::optional<Pipeline<int64_t>::Pass> zipped, bare;
+    if (zipped_first) zipped.emplace(graph.zipped.pass());
+    bare.emplace(graph.bare.pass());
+    if (!zipped_first) zipped.emplace(graph.zipped.pass());
+    std::string got;
+    while (std::optional<int64_t> x = zipped->next()) {
+      got += std::to_string(*x) + " ";
+      EXPECT_EQ(bare->next(), x);
+    }
+    return got;
+  };
+  Graph first = make(), second = make();
+  const std::string zipped_first = run(first, true);
+  EXPECT_EQ(run(second, false), zipped_first);
+
+  // Saved 4 items in, zipped branch reset first; resumed bare branch first.
+  std::string uninterrupted, resumed;
+  State zipped_state, bare_state;
+  {
+    Graph graph = make();
+    auto zipped = graph.zipped.pass();
+    auto bare = graph.bare.pass();
+    for (int i = 0; i < 4; ++i) {
+      uninterrupted += std::to_string(*zipped.next()) + " ";
+      (void)bare.next();
+    }
+    resumed = uninterrupted;
+    zipped_state = graph.zipped.state();
+    bare_state = graph.bare.state();
+    while (std::optional<int64_t> x = zipped.next()) uninterrupted += std::to_string(*x) + " ";
+  }
+  Graph graph = make();
+  graph.zipped.load_state(zipped_state);
+  graph.bare.load_state(bare_state);
+  auto bare = graph.bare.pass();
+  auto zipped = graph.zipped.pass();
+  while (std::optional<int64_t> x = zipped.next()) resumed += std::to_string(*x) + " ";
+  EXPECT_EQ(resumed, uninterrupted);
+}
+
+// A consumer whose pipeline is destroyed mid-pass no longer holds the
+// others back. Before, it stayed "the slowest" and, once the buffer was
+// full, every call of the other consumer was an overflow error for ever.
+TEST(Combine, AForkConsumerDestroyedMidPassLeavesTheOthersFree) {
+  auto outputs = nodes::fork(nodes::from_range(0, 20), 2, 4);
+  Pipeline<int64_t> kept = std::move(outputs[0]);
+  std::string got;
+  {
+    Pipeline<int64_t> gone = std::move(outputs[1]);
+    auto kept_pass = kept.pass();
+    auto gone_pass = gone.pass();
+    (void)gone_pass.next();
+    for (int i = 0; i < 3; ++i) got += std::to_string(*kept_pass.next()) + " ";
+    EXPECT_EQ(got, "0 1 2 ");
+    // Gone mid-pass, with the kept consumer 3 items in: the same pass goes on.
+  }
+  EXPECT_EQ(drain(kept), std::string("0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 "));
+}
+
+TEST(Combine, AForkConsumerDestroyedLeavesTheRestOfThePassToTheOthers) {
+  auto outputs = nodes::fork(nodes::from_range(0, 12), 2, 2);
+  Pipeline<int64_t> kept = std::move(outputs[0]);
+  auto kept_pass = kept.pass();
+  std::string got;
+  {
+    Pipeline<int64_t> gone = std::move(outputs[1]);
+    auto gone_pass = gone.pass();
+    (void)gone_pass.next();
+    got += std::to_string(*kept_pass.next()) + " ";
+  }
+  while (std::optional<int64_t> x = kept_pass.next()) got += std::to_string(*x) + " ";
+  EXPECT_EQ(got, "0 1 2 3 4 5 6 7 8 9 10 11 ");
 }
 
 }  // namespace

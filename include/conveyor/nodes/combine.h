@@ -571,21 +571,36 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // it got, before the branch is reset.) An upstream whose reset threw is
 // reset again by the next consumer reset, whichever that is, and nothing is
 // taken from it meanwhile.
+//
+// Upstream's nodes are numbered in an id space of the fork's own, not in the
+// walk of whichever consumer happens to reset it first: their seeds and
+// their saved decisions must not depend on that order (a consumer's graph
+// numbers its nodes from its own start, so upstream's ids, and with them a
+// shuffle's order, changed with it, and a state saved one way and resumed
+// the other handed items out twice). The space starts at a number made from
+// upstream's node names, far above any graph's own ids: two forks over
+// upstreams built alike draw alike unless their consumers' seeds differ.
+// Each consumer's state keeps what upstream saved, under its own fork node.
+//
+// A consumer destroyed mid-pass leaves the fork: the others no longer wait
+// for it to take what they have.
 template <class T>
 class ForkState {
  public:
   ForkState(NodePtr<T> upstream, size_t consumers, size_t buffer)
       : upstream_(std::move(upstream)),
+        upstream_first_id_(id_space(*upstream_)),
         taken_(consumers, 0),
         passes_(consumers, 0),
         cut_(consumers),
         overflows_(consumers),
+        left_(consumers, false),
         buffer_(buffer),
         buffer_limit_(buffer) {}
 
-  void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk) {
+  // `saved`: what the consumer's state saved for its fork node, or nullptr.
+  void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk, const State* saved) {
     const std::lock_guard lock(mutex_);
-    const uint64_t first_id = walk.next_id;
     // The first consumer into a new pass resets upstream, and so does any
     // consumer after upstream's reset threw.
     if (passes_[consumer] == pass_ || upstream_unreset_) {
@@ -593,11 +608,10 @@ class ForkState {
       // sharing the pass and not started over with it has lost its items.
       restarted_by_ = std::nullopt;
       for (size_t other = 0; other < passes_.size(); ++other) {
-        if (walk.restart && other != consumer && passes_[other] == pass_) restarted_by_ = consumer;
+        if (other == consumer || left_[other] || passes_[other] != pass_) continue;
+        if (walk.restart) restarted_by_ = consumer;
         // Cut off mid-pass: it had items left in the pass that ends here.
-        if (other != consumer && passes_[other] == pass_ && !(ended_ && taken_[other] == base_ + items_.size())) {
-          cut_[other] = Cut{consumer, taken_[other]};
-        }
+        if (!(ended_ && taken_[other] == base_ + items_.size())) cut_[other] = Cut{consumer, taken_[other]};
       }
       ++pass_;
       // Until upstream's reset returns, no consumer is in pass_ (each
@@ -608,18 +622,30 @@ class ForkState {
       std::fill(taken_.begin(), taken_.end(), 0);
       for (Overflows& overflows : overflows_) overflows = Overflows{};
       ended_ = false;
-      upstream_->reset(pass, walk);
+      conveyor::detail::ResetWalk upstream_walk;
+      upstream_walk.next_id = upstream_first_id_;
+      upstream_walk.executor = walk.executor;  // one arena for the consumer's graph and upstream
+      upstream_walk.restart = walk.restart;
+      if (const State* upstream_saved = saved ? saved->find("upstream") : nullptr) {
+        upstream_walk.restoring = std::make_shared<const State>(*upstream_saved);
+      }
+      upstream_->reset(pass, upstream_walk);
       upstream_unreset_ = false;
-      upstream_ids_ = walk.next_id - first_id;
-      sharded_ = walk.sharded;
-      ordered_by_timing_ = walk.ordered_by_timing;
-    } else {
-      walk.next_id += upstream_ids_;
-      walk.sharded = walk.sharded || sharded_;
-      if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
+      if (!walk.executor) walk.executor = std::move(upstream_walk.executor);
+      sharded_ = upstream_walk.sharded;
+      ordered_by_timing_ = std::move(upstream_walk.ordered_by_timing);
     }
+    walk.sharded = walk.sharded || sharded_;
+    if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     passes_[consumer] = pass_;
     cut_[consumer] = std::nullopt;
+  }
+
+  // The consumer's node is gone: the others take on without it.
+  void leave(size_t consumer) noexcept {
+    const std::lock_guard lock(mutex_);
+    left_[consumer] = true;
+    drop_taken_by_all();
   }
 
   // After reset(): what a resumed pass's state saved for this consumer
@@ -628,7 +654,7 @@ class ForkState {
     const std::lock_guard lock(mutex_);
     Overflows& overflows = overflows_[consumer];
     overflows = Overflows{};
-    if (!saved) return;
+    if (!saved || !saved->contains("at")) return;
     const std::string who = "load_state: fork[" + std::to_string(consumer) + "]'s state";
     std::vector<uint64_t> runs = saved->at("overflows").as_uint_list("overflows");
     const uint64_t at = saved->uint_at("at");
@@ -650,19 +676,22 @@ class ForkState {
   void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
     if (consumer == 0) upstream_->collect_metrics(out);
   }
-  // Every consumer's state holds upstream's: a resumed consumer resets
-  // upstream if it is the first into the pass, whichever that is. Under
-  // the mutex: upstream is advanced under it, maybe on another thread.
-  // In a pass, the consumer's own (under `id`, its node's): where it met
-  // overflow errors, and how far it had taken.
+  // Under `id`, the consumer's fork node's: upstream's (every consumer's
+  // state holds them: a resumed consumer resets upstream if it is the
+  // first into the pass, whichever that is), and in a pass where it met
+  // overflow errors and how far it had taken. Under the mutex: upstream is
+  // advanced under it, maybe on another thread.
   void save_extras(size_t consumer, uint64_t id, State& nodes, bool in_pass) const {
     const std::lock_guard lock(mutex_);
-    upstream_->save_extras(nodes, in_pass);
-    if (!in_pass || passes_[consumer] != pass_ || upstream_unreset_) return;
     State mine = State::object();
-    mine.set("overflows", State::list(overflows_[consumer].thrown));
-    mine.set("at", taken_[consumer]);
-    nodes.set(std::to_string(id), std::move(mine));
+    State upstream = State::object();
+    upstream_->save_extras(upstream, in_pass);
+    if (upstream.size() > 0) mine.set("upstream", std::move(upstream));
+    if (in_pass && passes_[consumer] == pass_ && !upstream_unreset_) {
+      mine.set("overflows", State::list(overflows_[consumer].thrown));
+      mine.set("at", taken_[consumer]);
+    }
+    if (mine.size() > 0) nodes.set(std::to_string(id), std::move(mine));
   }
 
   // A resumed consumer takes its items as it did, buffering what the others
@@ -755,14 +784,40 @@ class ForkState {
     std::exception_ptr error = entry.error;
     if (!error) out = *entry.item;
     ++taken;
-    // Drop what every consumer has taken.
-    const uint64_t slowest = *std::min_element(taken_.begin(), taken_.end());
+    drop_taken_by_all();
+    if (error) rethrow_own_copy(error);
+    return out;
+  }
+
+  // Drops what every consumer still in the fork has taken (one not yet
+  // reset into the pass has taken nothing).
+  void drop_taken_by_all() noexcept {
+    uint64_t slowest = std::numeric_limits<uint64_t>::max();
+    for (size_t c = 0; c < taken_.size(); ++c) {
+      if (!left_[c]) slowest = std::min(slowest, taken_[c]);
+    }
+    slowest = std::min(slowest, base_ + items_.size());
     while (base_ < slowest) {
       items_.pop_front();
       ++base_;
     }
-    if (error) rethrow_own_copy(error);
-    return out;
+  }
+
+  // Where upstream's ids start: far above a graph's own (bit 63 set), and
+  // apart for upstreams of other shapes (FNV-1a of its nodes' names, without
+  // how they run: a serial upstream and a parallel one draw alike), with
+  // 2^20 ids to number them.
+  static uint64_t id_space(const Node<T>& upstream) {
+    std::vector<NodeMetrics> nodes;
+    upstream.collect_metrics(nodes);
+    uint64_t hash = 0xcbf29ce484222325ULL;
+    for (const std::string& name : conveyor::detail::graph_shape(nodes)) {
+      for (const char c : name + '\n') {
+        hash ^= static_cast<unsigned char>(c);
+        hash *= 0x100000001b3ULL;
+      }
+    }
+    return (uint64_t{1} << 63) | ((hash >> 21) << 20);
   }
 
   // Throws a consumer an exception object of its own. Consumers run on
@@ -835,15 +890,16 @@ class ForkState {
     uint64_t quiet_until = 0;      // a resumed pass: no new overflow error before this item
   };
   NodePtr<T> upstream_;
+  const uint64_t upstream_first_id_;  // upstream's node ids start here (id_space)
   std::deque<Entry> items_;  // items base_ .. base_ + size - 1
   uint64_t base_ = 0;
   std::vector<uint64_t> taken_;   // by consumer: items taken this pass
   std::vector<uint64_t> passes_;  // by consumer: passes started
   std::vector<std::optional<Cut>> cut_;  // by consumer: cut off in its pass (passes_ < pass_)
   std::vector<Overflows> overflows_;     // by consumer
+  std::vector<bool> left_;               // by consumer: its node is gone (leave)
   uint64_t pass_ = 0;
   bool upstream_unreset_ = false;  // upstream's last reset threw: the pass has not begun
-  uint64_t upstream_ids_ = 0;
   bool sharded_ = false;
   std::string ordered_by_timing_;  // upstream's ResetWalk::ordered_by_timing
   bool ended_ = false;
@@ -860,11 +916,18 @@ class ForkOutput final : public MeteredNode<T> {
  public:
   using item_type = T;
   ForkOutput(std::shared_ptr<ForkState<T>> state, size_t consumer) : state_(std::move(state)), consumer_(consumer) {}
+  ~ForkOutput() override { state_->leave(consumer_); }
+  ForkOutput(const ForkOutput&) = delete;
+  ForkOutput& operator=(const ForkOutput&) = delete;
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    state_->reset(consumer_, pass, walk);
-    this->start_metering(pass, walk.next_id++);
-    state_->restore(consumer_, conveyor::detail::restored_extras(walk, this->id_));
+    // Its id before upstream's reset: what its state saved (upstream's
+    // included) is found under it.
+    const uint64_t id = walk.next_id++;
+    const State* saved = conveyor::detail::restored_extras(walk, id);
+    state_->reset(consumer_, pass, walk, saved);
+    this->start_metering(pass, id);
+    state_->restore(consumer_, saved);
   }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
   uint64_t skip(uint64_t count, bool) override { return state_->skip(consumer_, count); }

@@ -479,4 +479,38 @@ TEST(Combine, AForkConsumerDestroyedLeavesTheRestOfThePassToTheOthers) {
   EXPECT_EQ(got, "0 1 2 3 4 5 6 7 8 9 10 11 ");
 }
 
+// join's rotation over sources that are always ready is fixed, and a resumed
+// pass goes on with it where the saved one was: after the source of its
+// last output. Before, it started again at source 0.
+TEST(Combine, AResumedJoinGoesOnWithTheRotationWhereItWas) {
+  const auto make = [] {
+    std::vector<Pipeline<int64_t>> sources;
+    sources.push_back(nodes::from_range(0, 5));
+    sources.push_back(nodes::from_range(100, 108));
+    sources.push_back(nodes::from_range(200, 203));
+    return nodes::join(std::move(sources));
+  };
+  auto whole = make();
+  const std::string uninterrupted = drain(whole);
+  for (int k = 0; k <= 16; ++k) {
+    SCOPED_TRACE("state after " + std::to_string(k) + " items");
+    auto saved = make();
+    std::string got;
+    State state;
+    {
+      auto pass = saved.pass();
+      for (int i = 0; i < k; ++i) {
+        std::optional<int64_t> x = pass.next();
+        ASSERT_TRUE(x);
+        got += std::to_string(*x) + " ";
+      }
+      state = saved.state();
+    }
+    auto resumed = make();
+    resumed.load_state(state);
+    got += drain(resumed);
+    EXPECT_EQ(got, uninterrupted);
+  }
+}
+
 }  // namespace

@@ -432,6 +432,7 @@ class Join final : public Merge<T> {
       }
     }
     for (size_t k = replay_at_; k < end; ++k) log_.append(replay_[k]);
+    if (end > replay_at_) follow(replay_[end - 1]);
     replay_at_ = end;
     return logged + (count > logged ? Merge<T>::skip(count - logged, clean) : 0);
   }
@@ -457,6 +458,7 @@ class Join final : public Merge<T> {
   // (a filter, say): they come from the saved sources in the saved order.
   std::optional<T> replay() {
     const size_t i = replay_[replay_at_++];
+    follow(i);
     std::optional<T> item;
     try {
       item = this->pull(i);
@@ -519,6 +521,9 @@ class Join final : public Merge<T> {
     }
     return this->active_count_ > 0 ? Poll::pending : Poll::end;
   }
+  // The rotation goes on after the source of the last output, as it did
+  // in the saved pass (each output sets it there: next_active).
+  void follow(size_t source) { this->cursor_ = (source + 1) % this->sources_.size(); }
   size_t next_active() {
     while (!this->active_[this->cursor_]) this->cursor_ = (this->cursor_ + 1) % this->sources_.size();
     const size_t i = this->cursor_;

@@ -196,39 +196,6 @@ namespace detail {
 // user code runs). Call inside a catch block whose try holds only the
 // node's own work: an upstream NodeError must not pass through it.
 [[noreturn]] void throw_node_error(const std::string& node, uint64_t position);
-
-// A node's name without how it runs: "map(workers=4, in_order=false)" ->
-// "map(in_order=false)", "async_map(max_in_flight=64)" -> "async_map",
-// "to_device(2)" -> "to_device". A serial map and a parallel one, or 64
-// requests in flight and 1024, hand out the same items; an order or an
-// error policy (in_order, on_error) changes them and stays.
-inline std::string without_run_settings(const std::string& name) {
-  if (name.starts_with("to_device(")) return "to_device";
-  const size_t open = name.find('(');
-  if (open == std::string::npos || !name.ends_with(')')) return name;
-  const size_t close = name.size() - 1;
-  std::string kept;
-  for (size_t at = open + 1; at < close;) {
-    const size_t end = std::min(name.find(", ", at), close);
-    const std::string setting = name.substr(at, end - at);
-    if (!setting.starts_with("workers=") && !setting.starts_with("max_in_flight=")) {
-      kept += (kept.empty() ? "" : ", ") + setting;
-    }
-    at = end + 2;
-  }
-  return kept.empty() ? name.substr(0, open) : name.substr(0, open + 1) + kept + ")";
-}
-
-// A graph's shape, sources first: what its items depend on (no prefetch,
-// no run settings).
-inline std::vector<std::string> graph_shape(const std::vector<NodeMetrics>& nodes) {
-  std::vector<std::string> shape;
-  for (const NodeMetrics& node : nodes) {
-    if (node.name.starts_with("prefetch(")) continue;
-    shape.push_back(without_run_settings(node.name));
-  }
-  return shape;
-}
 }  // namespace detail
 
 template <class T>
@@ -466,7 +433,10 @@ class Pipeline {
   // pass's items do not depend on that, so a state loads whatever those are.
   State fingerprint() const {
     State names = State::array();
-    for (std::string& name : detail::graph_shape(metrics())) names.push_back(std::move(name));
+    for (const NodeMetrics& node : metrics()) {
+      if (node.name.starts_with("prefetch(")) continue;
+      names.push_back(without_run_settings(node.name));
+    }
     State shard = State::object();
     shard.set("rank", shard_.rank);
     shard.set("world_size", shard_.world_size);
@@ -477,6 +447,28 @@ class Pipeline {
     out.set("seed", seed_);
     out.set("shard", std::move(shard));
     return out;
+  }
+
+  // A node's name without how it runs: "map(workers=4, in_order=false)" ->
+  // "map(in_order=false)", "async_map(max_in_flight=64)" -> "async_map",
+  // "to_device(2)" -> "to_device". A serial map and a parallel one, or 64
+  // requests in flight and 1024, hand out the same items; an order or an
+  // error policy (in_order, on_error) changes them and stays.
+  static std::string without_run_settings(const std::string& name) {
+    if (name.starts_with("to_device(")) return "to_device";
+    const size_t open = name.find('(');
+    if (open == std::string::npos || !name.ends_with(')')) return name;
+    const size_t close = name.size() - 1;
+    std::string kept;
+    for (size_t at = open + 1; at < close;) {
+      const size_t end = std::min(name.find(", ", at), close);
+      const std::string setting = name.substr(at, end - at);
+      if (!setting.starts_with("workers=") && !setting.starts_with("max_in_flight=")) {
+        kept += (kept.empty() ? "" : ", ") + setting;
+      }
+      at = end + 2;
+    }
+    return kept.empty() ? name.substr(0, open) : name.substr(0, open + 1) + kept + ")";
   }
 
   NodePtr<T> node_;

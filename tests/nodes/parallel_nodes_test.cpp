@@ -298,9 +298,7 @@ TEST(PipelineProperty, PolledRunsThroughNodesThatAreNotYetReadyYieldTheWaitingRu
   for (int g = 0; g < graphs; ++g) {
     const uint64_t graph_seed = rng();
     bool ordered = true;
-    // The same graph, stutters and all, taken with next(): a stutter's
-    // name is part of the graph's shape, which a fork's upstream draws by.
-    auto waiting = random_pipeline(std::mt19937_64(graph_seed), false, ordered, 0, true, graph_seed | 1);
+    auto waiting = random_pipeline(std::mt19937_64(graph_seed), false, ordered);
     auto serial = random_pipeline(std::mt19937_64(graph_seed), false, ordered, 0, true, graph_seed | 1);
     auto parallel = random_pipeline(std::mt19937_64(graph_seed), true, ordered, 0, true, graph_seed | 1);
     waiting.seed(graph_seed);

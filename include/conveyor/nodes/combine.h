@@ -577,15 +577,16 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // reset again by the next consumer reset, whichever that is, and nothing is
 // taken from it meanwhile.
 //
-// Upstream's nodes are numbered in an id space of the fork's own, not in the
-// walk of whichever consumer happens to reset it first: their seeds and
-// their saved decisions must not depend on that order (a consumer's graph
-// numbers its nodes from its own start, so upstream's ids, and with them a
-// shuffle's order, changed with it, and a state saved one way and resumed
-// the other handed items out twice). The space starts at a number made from
-// upstream's node names, far above any graph's own ids: two forks over
-// upstreams built alike draw alike unless their consumers' seeds differ.
-// Each consumer's state keeps what upstream saved, under its own fork node.
+// Upstream's nodes are numbered in the walk of the consumer that starts the
+// pass, from where the fork sits in that consumer's graph: their seeds (a
+// shuffle's order) and the keys of what they save follow that. Start the
+// consumers in the same order each time. A state taken when upstream was
+// numbered from another place than where this pass numbers it would hand
+// its saved decisions to the wrong nodes (items handed out twice, others
+// lost): it is refused, naming both places. (Numbering upstream apart
+// from every consumer would need a name for the fork that both the program
+// and a resumed process agree on; its nodes' names alone are not one: two
+// forks over different files of one shape would shuffle alike.)
 //
 // A consumer destroyed mid-pass leaves the fork: the others no longer wait
 // for it to take what they have.
@@ -594,7 +595,6 @@ class ForkState {
  public:
   ForkState(NodePtr<T> upstream, size_t consumers, size_t buffer)
       : upstream_(std::move(upstream)),
-        upstream_first_id_(id_space(*upstream_)),
         taken_(consumers, 0),
         passes_(consumers, 0),
         cut_(consumers),
@@ -603,9 +603,9 @@ class ForkState {
         buffer_(buffer),
         buffer_limit_(buffer) {}
 
-  // `saved`: what the consumer's state saved for its fork node, or nullptr.
-  void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk, const State* saved) {
+  void reset(size_t consumer, const PassContext& pass, conveyor::detail::ResetWalk& walk) {
     const std::lock_guard lock(mutex_);
+    const uint64_t first_id = walk.next_id;
     // The first consumer into a new pass resets upstream, and so does any
     // consumer after upstream's reset threw.
     if (passes_[consumer] == pass_ || upstream_unreset_) {
@@ -627,21 +627,18 @@ class ForkState {
       std::fill(taken_.begin(), taken_.end(), 0);
       for (Overflows& overflows : overflows_) overflows = Overflows{};
       ended_ = false;
-      conveyor::detail::ResetWalk upstream_walk;
-      upstream_walk.next_id = upstream_first_id_;
-      upstream_walk.executor = walk.executor;  // one arena for the consumer's graph and upstream
-      upstream_walk.restart = walk.restart;
-      if (const State* upstream_saved = saved ? saved->find("upstream") : nullptr) {
-        upstream_walk.restoring = std::make_shared<const State>(*upstream_saved);
-      }
-      upstream_->reset(pass, upstream_walk);
+      upstream_->reset(pass, walk);
       upstream_unreset_ = false;
-      if (!walk.executor) walk.executor = std::move(upstream_walk.executor);
-      sharded_ = upstream_walk.sharded;
-      ordered_by_timing_ = std::move(upstream_walk.ordered_by_timing);
+      numbered_by_ = consumer;
+      upstream_first_id_ = first_id;
+      upstream_ids_ = walk.next_id - first_id;
+      sharded_ = walk.sharded;
+      ordered_by_timing_ = walk.ordered_by_timing;
+    } else {
+      walk.next_id += upstream_ids_;
+      walk.sharded = walk.sharded || sharded_;
+      if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     }
-    walk.sharded = walk.sharded || sharded_;
-    if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     passes_[consumer] = pass_;
     cut_[consumer] = std::nullopt;
   }
@@ -659,8 +656,24 @@ class ForkState {
     const std::lock_guard lock(mutex_);
     Overflows& overflows = overflows_[consumer];
     overflows = Overflows{};
-    if (!saved || !saved->contains("at")) return;
+    if (!saved) return;
     const std::string who = "load_state: fork[" + std::to_string(consumer) + "]'s state";
+    // Where upstream was numbered from when the state was taken (states
+    // from before this was saved do not say).
+    if (const State* from = saved->find("upstream_from")) {
+      const std::vector<uint64_t> place = from->as_uint_list("upstream_from");
+      if (place.size() != 2) throw StateError(who + "'s 'upstream_from' should hold (consumer, id): the state is corrupt");
+      if (place[1] != upstream_first_id_) {
+        // Refused: the next consumer reset numbers upstream again, from its own graph.
+        upstream_unreset_ = true;
+        throw StateError(who + " was taken when consumer " + std::to_string(place[0]) +
+                         " started the pass, its upstream numbered from node " + std::to_string(place[1]) +
+                         ", but consumer " + std::to_string(numbered_by_) + " started this one, numbering it from node " +
+                         std::to_string(upstream_first_id_) +
+                         ": upstream's seeds and saved decisions would go to other nodes; start consumer " +
+                         std::to_string(place[0]) + "'s pass first, as when the state was taken");
+      }
+    }
     std::vector<uint64_t> runs = saved->at("overflows").as_uint_list("overflows");
     const uint64_t at = saved->uint_at("at");
     if (runs.size() % 2 != 0) {
@@ -681,22 +694,21 @@ class ForkState {
   void collect_upstream_metrics(size_t consumer, std::vector<NodeMetrics>& out) const {
     if (consumer == 0) upstream_->collect_metrics(out);
   }
-  // Under `id`, the consumer's fork node's: upstream's (every consumer's
-  // state holds them: a resumed consumer resets upstream if it is the
-  // first into the pass, whichever that is), and in a pass where it met
-  // overflow errors and how far it had taken. Under the mutex: upstream is
-  // advanced under it, maybe on another thread.
+  // Every consumer's state holds upstream's: a resumed consumer resets
+  // upstream if it is the first into the pass, whichever that is. Under
+  // the mutex: upstream is advanced under it, maybe on another thread.
+  // In a pass, the consumer's own (under `id`, its node's): where it met
+  // overflow errors, how far it had taken, and where upstream was numbered
+  // from.
   void save_extras(size_t consumer, uint64_t id, State& nodes, bool in_pass) const {
     const std::lock_guard lock(mutex_);
+    upstream_->save_extras(nodes, in_pass);
+    if (!in_pass || passes_[consumer] != pass_ || upstream_unreset_) return;
     State mine = State::object();
-    State upstream = State::object();
-    upstream_->save_extras(upstream, in_pass);
-    if (upstream.size() > 0) mine.set("upstream", std::move(upstream));
-    if (in_pass && passes_[consumer] == pass_ && !upstream_unreset_) {
-      mine.set("overflows", State::list(overflows_[consumer].thrown));
-      mine.set("at", taken_[consumer]);
-    }
-    if (mine.size() > 0) nodes.set(std::to_string(id), std::move(mine));
+    mine.set("overflows", State::list(overflows_[consumer].thrown));
+    mine.set("at", taken_[consumer]);
+    mine.set("upstream_from", State::list(std::vector<uint64_t>{numbered_by_, upstream_first_id_}));
+    nodes.set(std::to_string(id), std::move(mine));
   }
 
   // A resumed consumer takes its items as it did, buffering what the others
@@ -808,23 +820,6 @@ class ForkState {
     }
   }
 
-  // Where upstream's ids start: far above a graph's own (bit 63 set), and
-  // apart for upstreams of other shapes (FNV-1a of its nodes' names, without
-  // how they run: a serial upstream and a parallel one draw alike), with
-  // 2^20 ids to number them.
-  static uint64_t id_space(const Node<T>& upstream) {
-    std::vector<NodeMetrics> nodes;
-    upstream.collect_metrics(nodes);
-    uint64_t hash = 0xcbf29ce484222325ULL;
-    for (const std::string& name : conveyor::detail::graph_shape(nodes)) {
-      for (const char c : name + '\n') {
-        hash ^= static_cast<unsigned char>(c);
-        hash *= 0x100000001b3ULL;
-      }
-    }
-    return (uint64_t{1} << 63) | ((hash >> 21) << 20);
-  }
-
   // Throws a consumer an exception object of its own. Consumers run on
   // different threads (one behind a prefetch), and one object rethrown to all
   // of them is freed by whichever lets it go last, ordered only by libstdc++'s
@@ -895,7 +890,6 @@ class ForkState {
     uint64_t quiet_until = 0;      // a resumed pass: no new overflow error before this item
   };
   NodePtr<T> upstream_;
-  const uint64_t upstream_first_id_;  // upstream's node ids start here (id_space)
   std::deque<Entry> items_;  // items base_ .. base_ + size - 1
   uint64_t base_ = 0;
   std::vector<uint64_t> taken_;   // by consumer: items taken this pass
@@ -905,6 +899,9 @@ class ForkState {
   std::vector<bool> left_;               // by consumer: its node is gone (leave)
   uint64_t pass_ = 0;
   bool upstream_unreset_ = false;  // upstream's last reset threw: the pass has not begun
+  uint64_t numbered_by_ = 0;        // the consumer whose walk numbered upstream this pass
+  uint64_t upstream_first_id_ = 0;  // from this id
+  uint64_t upstream_ids_ = 0;
   bool sharded_ = false;
   std::string ordered_by_timing_;  // upstream's ResetWalk::ordered_by_timing
   bool ended_ = false;
@@ -926,13 +923,9 @@ class ForkOutput final : public MeteredNode<T> {
   ForkOutput& operator=(const ForkOutput&) = delete;
   using Node<T>::reset;
   void reset(const PassContext& pass, conveyor::detail::ResetWalk& walk) override {
-    // Its id before upstream's reset: what its state saved (upstream's
-    // included) is found under it.
-    const uint64_t id = walk.next_id++;
-    const State* saved = conveyor::detail::restored_extras(walk, id);
-    state_->reset(consumer_, pass, walk, saved);
-    this->start_metering(pass, id);
-    state_->restore(consumer_, saved);
+    state_->reset(consumer_, pass, walk);
+    this->start_metering(pass, walk.next_id++);
+    state_->restore(consumer_, conveyor::detail::restored_extras(walk, this->id_));
   }
   std::string name() const override { return "fork[" + std::to_string(consumer_) + "]"; }
   uint64_t skip(uint64_t count, bool) override { return state_->skip(consumer_, count); }

@@ -441,6 +441,36 @@ TEST(Combine, AForkStateIsRefusedWhereAnotherConsumerStartsThePassNamingIt) {
   EXPECT_EQ(resumed, uninterrupted);
 }
 
+// A consumer joining a pass another one started, with a state whose
+// upstream was numbered elsewhere, is refused; the pass stays the other
+// consumer's, whole (marked unreset, it would have ended for it there).
+TEST(Combine, AForkConsumerRefusedOnJoiningLeavesTheOthersPassWhole) {
+  const auto make = [] {
+    auto outputs = nodes::fork(nodes::from_range(0, 12) | nodes::shuffle(12), 2, 64);
+    auto zipped = nodes::zip(nodes::from_range(100, 200), std::move(outputs[0])) |
+                  nodes::map([](std::pair<int64_t, int64_t> pair) { return pair.second; });
+    return std::make_pair(std::move(zipped), std::move(outputs[1]));
+  };
+  State bare_state;
+  {
+    auto [zipped, bare] = make();
+    auto bare_pass = bare.pass();  // the bare consumer first: upstream numbered from node 0
+    auto zipped_pass = zipped.pass();
+    for (int i = 0; i < 4; ++i) {
+      (void)bare_pass.next();
+      (void)zipped_pass.next();
+    }
+    bare_state = bare.state();
+  }
+  auto [zipped, bare] = make();
+  auto zipped_pass = zipped.pass();  // a fresh pass, upstream numbered from node 1
+  bare.load_state(bare_state);
+  EXPECT_THROW((void)bare.pass(), conveyor::StateError);
+  int64_t items = 0;
+  while (zipped_pass.next()) ++items;
+  EXPECT_EQ(items, 12);
+}
+
 // A consumer whose pipeline is destroyed mid-pass no longer holds the
 // others back. Before, it stayed "the slowest" and, once the buffer was
 // full, every call of the other consumer was an overflow error for ever.

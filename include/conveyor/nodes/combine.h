@@ -664,8 +664,15 @@ class ForkState {
       const std::vector<uint64_t> place = from->as_uint_list("upstream_from");
       if (place.size() != 2) throw StateError(who + "'s 'upstream_from' should hold (consumer, id): the state is corrupt");
       if (place[1] != upstream_first_id_) {
-        // Refused: the next consumer reset numbers upstream again, from its own graph.
-        upstream_unreset_ = true;
+        // Refused. Where this consumer's reset began the pass and no other
+        // has joined it, the next consumer reset numbers upstream again,
+        // from its own graph. A pass others are in stays theirs (marked
+        // unreset, it would end for them unannounced).
+        bool others_in_pass = false;
+        for (size_t other = 0; other < passes_.size(); ++other) {
+          others_in_pass = others_in_pass || (other != consumer && !left_[other] && passes_[other] == pass_);
+        }
+        if (numbered_by_ == consumer && !others_in_pass) upstream_unreset_ = true;
         throw StateError(who + " was taken when consumer " + std::to_string(place[0]) +
                          " started the pass, its upstream numbered from node " + std::to_string(place[1]) +
                          ", but consumer " + std::to_string(numbered_by_) + " started this one, numbering it from node " +

@@ -471,6 +471,46 @@ TEST(Combine, AForkConsumerRefusedOnJoiningLeavesTheOthersPassWhole) {
   EXPECT_EQ(items, 12);
 }
 
+// A consumer joining a pass takes what upstream draws under the starting
+// consumer's seed and epoch. Before, fork[1] with seed 8 silently took the
+// items shuffled with fork[0]'s seed 7; now its pass() is refused, naming
+// both, and fork[0]'s pass goes on whole. With the same seed it joins.
+TEST(Combine, AForkConsumerWithAnotherSeedOrEpochIsRefusedOnJoining) {
+  const auto expect_refused = [](uint64_t seed, uint64_t epoch, const std::string& message) {
+    auto outputs = nodes::fork(nodes::from_range(0, 12) | nodes::shuffle(12), 2, 64);
+    Pipeline<int64_t> first = std::move(outputs[0]);
+    Pipeline<int64_t> second = std::move(outputs[1]);
+    first.seed(7);
+    second.seed(seed);
+    second.set_epoch(epoch);
+    auto first_pass = first.pass();
+    try {
+      (void)second.pass();
+      ADD_FAILURE() << "fork[1] joined with seed " << seed << ", epoch " << epoch;
+    } catch (const conveyor::ValueError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+    int64_t items = 0;
+    while (first_pass.next()) ++items;
+    EXPECT_EQ(items, 12);
+  };
+  expect_refused(8, 0,
+                 "fork[1]: its pass has seed 8, epoch 0, shard 0/1 worker 0/1, but fork[0] started the fork's pass "
+                 "with seed 7, epoch 0, shard 0/1 worker 0/1: a fork's consumers share one pass of upstream; give "
+                 "every consumer's pipeline the same seed(), set_epoch() and shard()");
+  expect_refused(7, 3,
+                 "fork[1]: its pass has seed 7, epoch 3, shard 0/1 worker 0/1, but fork[0] started the fork's pass "
+                 "with seed 7, epoch 0, shard 0/1 worker 0/1: a fork's consumers share one pass of upstream; give "
+                 "every consumer's pipeline the same seed(), set_epoch() and shard()");
+
+  auto outputs = nodes::fork(nodes::from_range(0, 12) | nodes::shuffle(12), 2, 64);
+  outputs[0].seed(7);
+  outputs[1].seed(7);
+  auto first_pass = outputs[0].pass();
+  auto second_pass = outputs[1].pass();
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(*first_pass.next(), *second_pass.next());
+}
+
 // A consumer whose pipeline is destroyed mid-pass no longer holds the
 // others back. Before, it stayed "the slowest" and, once the buffer was
 // full, every call of the other consumer was an overflow error for ever.

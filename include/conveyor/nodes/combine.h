@@ -568,7 +568,8 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // more; a parallel map on a branch pulls up to its window ahead the same way.
 //
 // Passes: the first consumer reset into a new pass resets upstream, and the
-// others join that pass when they are reset. A consumer still in the last
+// others join that pass when they are reset, with the same seed, epoch
+// and shard as the first (else a ValueError naming both). A consumer still in the last
 // pass takes nothing from the new one: one with items left there (cut off
 // mid-pass) gets a StateError naming who started the new pass, one that had
 // taken every item gets the end. (Resetting a graph resets its branches one
@@ -630,17 +631,40 @@ class ForkState {
       upstream_->reset(pass, walk);
       upstream_unreset_ = false;
       numbered_by_ = consumer;
+      started_with_ = pass;
       upstream_first_id_ = first_id;
       upstream_ids_ = walk.next_id - first_id;
       sharded_ = walk.sharded;
       ordered_by_timing_ = walk.ordered_by_timing;
     } else {
+      refuse_another_context(consumer, pass);
       walk.next_id += upstream_ids_;
       walk.sharded = walk.sharded || sharded_;
       if (walk.ordered_by_timing.empty()) walk.ordered_by_timing = ordered_by_timing_;
     }
     passes_[consumer] = pass_;
     cut_[consumer] = std::nullopt;
+  }
+
+  // A consumer joining the pass takes what upstream draws under the
+  // context of the consumer that started it: joining with another seed,
+  // epoch or shard would hand it items it did not ask for, unannounced.
+  // Refused before it joins, so the pass stays the others'.
+  void refuse_another_context(size_t consumer, const PassContext& pass) const {
+    const PassContext& started = started_with_;
+    const auto describe = [](const PassContext& c) {
+      return "seed " + std::to_string(c.seed) + ", epoch " + std::to_string(c.epoch) + ", shard " +
+             std::to_string(c.shard.rank) + "/" + std::to_string(c.shard.world_size) + " worker " +
+             std::to_string(c.shard.worker) + "/" + std::to_string(c.shard.num_workers);
+    };
+    const bool same_shard = pass.shard.rank == started.shard.rank && pass.shard.world_size == started.shard.world_size &&
+                            pass.shard.worker == started.shard.worker &&
+                            pass.shard.num_workers == started.shard.num_workers;
+    if (pass.seed == started.seed && pass.epoch == started.epoch && same_shard) return;
+    throw ValueError("fork[" + std::to_string(consumer) + "]: its pass has " + describe(pass) + ", but fork[" +
+                     std::to_string(numbered_by_) + "] started the fork's pass with " + describe(started) +
+                     ": a fork's consumers share one pass of upstream; give every consumer's pipeline the same "
+                     "seed(), set_epoch() and shard()");
   }
 
   // The consumer's node is gone: the others take on without it.
@@ -907,6 +931,7 @@ class ForkState {
   uint64_t pass_ = 0;
   bool upstream_unreset_ = false;  // upstream's last reset threw: the pass has not begun
   uint64_t numbered_by_ = 0;        // the consumer whose walk numbered upstream this pass
+  PassContext started_with_;        // and the context it reset upstream with
   uint64_t upstream_first_id_ = 0;  // from this id
   uint64_t upstream_ids_ = 0;
   bool sharded_ = false;

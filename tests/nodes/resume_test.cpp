@@ -900,6 +900,53 @@ TEST(PipelineResume, AShuffleStateWithoutWhereUpstreamEndedStillResumes) {
   }
 }
 
+// A shuffle of everything (a buffer of SIZE_MAX) resumed without knowing
+// where upstream ends: behind a prefetch that read two rounds of a repeat
+// ahead, its state holds no end. The replay's count of positions wrapped
+// to a small number, it never learned the end, and it pushed positions
+// until memory ran out (bad_alloc at the third stop). A state's received
+// count of 2^64 - 1 wrapped the same way and spun instead of being refused.
+TEST(PipelineResume, AShuffleOfEverythingResumesWhereUpstreamsEndIsUnknown) {
+  auto make = [] {
+    return nodes::from_range(0, 6) | nodes::shuffle(std::numeric_limits<size_t>::max()) | nodes::repeat(8) |
+           nodes::prefetch(16);
+  };
+  auto uninterrupted = make();
+  uninterrupted.seed(3);
+  const Outcomes reference = conveyor::testing::outcomes(uninterrupted);
+  ASSERT_EQ(reference.size(), 48u);
+  for (size_t stop = 0; stop <= reference.size(); ++stop) {
+    Outcomes got;
+    State saved;
+    {
+      auto pipeline = make();
+      pipeline.seed(3);
+      auto pass = pipeline.pass();
+      for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, got));
+      saved = pipeline.state();
+    }
+    auto pipeline = make();
+    pipeline.seed(3);
+    pipeline.load_state(saved);
+    auto pass = pipeline.pass();
+    while (take_one(pass, got)) {
+    }
+    ASSERT_EQ(got, reference) << "stopped after " << stop;
+  }
+
+  auto small = [] { return nodes::from_range(0, 30) | nodes::shuffle(8); };
+  State saved;
+  {
+    auto pipeline = small();
+    auto pass = pipeline.pass();
+    saved = pipeline.state();
+  }
+  saved.set("received", std::numeric_limits<uint64_t>::max());
+  auto pipeline = small();
+  pipeline.load_state(saved);
+  EXPECT_THROW((void)pipeline.pass(), StateError);
+}
+
 TEST(PipelineResume, AShuffleStateSayingUpstreamEndedTooSoonIsRefused) {
   auto alone = [] { return nodes::from_range(0, 10) | nodes::shuffle(4); };
   State saved;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -57,8 +58,16 @@ class Shuffle final : public Stage<T, T> {
     }
     Replay& replay = replay_ ? *replay_ : replay_.emplace();
     if (known_upstream_.ended) replay.upstream_items = known_upstream_.items;
+    if (count == 0) return 0;
     // `count` outputs pull up to that many positions beyond those pulled.
-    const uint64_t wanted = replay.pulled + (buffer_size_ - replay.held.size()) + count - 1;
+    // Saturating: a buffer of SIZE_MAX (shuffle everything) or a state's
+    // huge count would wrap to a small number, and the replay would then
+    // push positions past upstream's unlearned end until memory ran out.
+    uint64_t wanted = 0;
+    if (__builtin_add_overflow(replay.pulled, buffer_size_ - replay.held.size(), &wanted) ||
+        __builtin_add_overflow(wanted, count - 1, &wanted)) {
+      wanted = std::numeric_limits<uint64_t>::max();
+    }
     if (!replay.upstream_items && wanted > known_upstream_.items) {
       const uint64_t more = wanted - replay.probed;
       const uint64_t got = this->upstream_->skip(more, true);

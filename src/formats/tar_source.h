@@ -150,6 +150,9 @@ class TarSource {
     consumed_before_ = consumed;
   }
 
+  // Whether the reader has asked past the archive's last byte.
+  bool exhausted() const noexcept { return exhausted_; }
+
   // An upper bound on any member's size, when the source's size is known.
   std::optional<uint64_t> size() const { return stream_ ? stream_->size() : size_; }
 

@@ -124,7 +124,10 @@ struct GroupByKeyOptions {
   // (or the key) and the sample's index in its archive; skip: dropped and
   // counted. Either way its other members are dropped (unread, straight
   // after untar). Errors from upstream keep their place and are always
-  // thrown, with the sample's index added.
+  // thrown, with the sample's index added. Straight after an untar that
+  // skips its failures, the sample a dropped member (or an archive's
+  // failure) cut short is dropped too, and counted here; behind another
+  // node it cannot be told from a whole one: require its fields.
   OnError on_error = OnError::raise;
 };
 // Pipeline<TarMember> -> Pipeline<ShardSample>: TarShardDataset's reader is

@@ -41,6 +41,7 @@ struct OpenSample {
   ShardSample sample;
   int64_t index = 0;  // within its archive
   uint64_t bytes = 0;
+  bool whole = false;  // a later key's member was refused: nothing more joins it
 };
 
 // The keys met in one archive. Open addressing in vectors that keep their
@@ -107,9 +108,11 @@ struct Rejected {
 // An error from upstream names an archive and maybe a member. A member of
 // the open sample, or an archive that fails while the sample is open with no
 // member named: the sample is cut short and dropped with the error. Anything
-// else (another member, another archive): the open sample is whole and goes
-// out first, the error at the next call. Either way the rest of the failed
-// member's sample is dropped.
+// else (another member, another archive, a failure after the gate refused a
+// later sample): the open sample is whole and goes out first, the error at
+// the next call. Either way the rest of the failed member's sample is
+// dropped. A failure untar drops under OnError::skip drops its sample the
+// same way (MemberGate::failure_dropped), counted here.
 class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::MemberGate {
  public:
   GroupByKey(NodePtr<TarMember> upstream, GroupByKeyOptions options)
@@ -157,7 +160,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         if (rejected_->key == name.key) continue;  // the rest of a bad sample
         rejected_.reset();
       }
-      if (open_ && open_->sample.key != name.key) {
+      if (open_ && (open_->sample.key != name.key || open_->whole)) {
         pending_ = std::move(member);  // starts the next sample
         if (std::optional<ShardSample> sample = finish()) return sample;
         continue;
@@ -286,29 +289,55 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
     const bool rejected_archive = rejected_ && rejected_->archive == archive && rejected_->opening == admitted_opening_;
     if (rejected_archive && rejected_->key == name.key) return detail::Admission::skip;
     const bool same_archive = archive == archive_ && admitted_opening_ == opening_;
-    const bool joins_open = same_archive && open_ && open_->sample.key == name.key;
+    const bool joins_open = same_archive && open_ && !open_->whole && open_->sample.key == name.key;
     const uint64_t before = joins_open ? open_->bytes : 0;
     if (declared <= limit() - std::min(limit(), before)) return detail::Admission::read;
     // raise: untar throws it, and on_upstream_error numbers it.
     if (options_.on_error == OnError::raise) throw DataError(oversized(declared, name.key, before), archive, member);
+    drop_sample_of(archive, name.key);
+    return detail::Admission::skip;
+  }
+
+  void failure_dropped(const std::string& archive, const std::string& member) override {
+    if (member.empty()) {
+      // The archive ended: a sample open in it may have had more members.
+      const bool same_archive = archive == archive_ && admitted_opening_ == opening_;
+      if (same_archive && open_ && !open_->whole) {
+        open_.reset();
+        meter_.skipped.add(1);
+      }
+      return;
+    }
+    const detail::MemberName name = detail::split_member_name(member);
+    const bool rejected_archive = rejected_ && rejected_->archive == archive && rejected_->opening == admitted_opening_;
+    if (!(rejected_archive && rejected_->key == name.key)) drop_sample_of(archive, name.key);
+  }
+
+  // Drops, and counts, the sample `key` names from the member of it that
+  // untar is on: the open one if the member joins it, else a new one,
+  // numbered next. Its other members are left unread (rejected_).
+  void drop_sample_of(const std::string& archive, std::string_view key) {
+    const bool rejected_archive = rejected_ && rejected_->archive == archive && rejected_->opening == admitted_opening_;
+    const bool same_archive = archive == archive_ && admitted_opening_ == opening_;
+    const bool joins_open = same_archive && open_ && !open_->whole && open_->sample.key == key;
     int64_t index = 0;
     if (joins_open) {
       index = open_->index;
       open_.reset();
     } else if (same_archive) {
+      if (open_) open_->whole = true;  // a new key started: the open sample ended before it
       index = next_index_++;
-      seen_keys_.insert(name.key);
+      seen_keys_.insert(key);
     } else {
       // The next archive's samples, refused before any member reached
       // here: every key is kept for start_archive(), or a later member of
       // one would pass for a sample of its own.
       if (!rejected_archive) keys_refused_ahead_.clear();
-      keys_refused_ahead_.emplace_back(name.key);
+      keys_refused_ahead_.emplace_back(key);
       if (rejected_archive) index = rejected_->index + 1;
     }
-    rejected_ = Rejected{archive, admitted_opening_, std::string(name.key), index};
+    rejected_ = Rejected{archive, admitted_opening_, std::string(key), index};
     meter_.skipped.add(1);
-    return detail::Admission::skip;
   }
 
   // Stores the error (with the sample's index) in error_; returns the open
@@ -323,7 +352,7 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         whole = std::exchange(open_, std::nullopt);
         start_archive(error.file());
       }
-      if (open_ && open_->sample.key == name.key) {
+      if (open_ && !open_->whole && open_->sample.key == name.key) {
         index = open_->index;  // cut short
         open_.reset();
       } else {
@@ -332,9 +361,13 @@ class GroupByKey final : public Stage<TarMember, ShardSample>, private detail::M
         seen_keys_.insert(name.key);
       }
       rejected_ = Rejected{error.file(), opening_, std::string(name.key), index};
-    } else if (same_archive && open_) {
+    } else if (same_archive && open_ && !open_->whole) {
       index = open_->index;  // the archive failed inside the open sample
       open_.reset();
+    } else if (same_archive && open_) {
+      // It failed after a later sample the gate refused: that one's error.
+      whole = std::exchange(open_, std::nullopt);
+      if (rejected_ && rejected_->archive == error.file() && rejected_->opening == opening_) index = rejected_->index;
     } else {
       whole = std::exchange(open_, std::nullopt);
     }

@@ -45,6 +45,11 @@ class MemberGate {
   // untar takes its next archive, before opening it: an error opening it,
   // and the members after, are that archive's.
   virtual void archive_started() noexcept = 0;
+  // untar dropped a failure under OnError::skip: `member`'s sample lacks
+  // it, or, with no member, the archive ended there, and a sample open in
+  // it may lack members that followed. The gate drops that sample: handed
+  // on, it would pass for whole.
+  virtual void failure_dropped(const std::string& archive, const std::string& member) = 0;
 
  protected:
   ~MemberGate() = default;

@@ -67,7 +67,7 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
       try {
         if (std::optional<TarMember> member = read_member_checked()) return member;
         close();  // at its end: the next archive
-      } catch (const DataError&) {
+      } catch (const DataError& error) {
         if (!member_refused_) close();  // the archive cannot be read further
         member_refused_ = false;
         // The gate's refusal is group_by_key's to raise or skip (it skips
@@ -75,6 +75,8 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
         // on without the member.
         if (std::exchange(gate_refused_, false) || options_.on_error == OnError::raise) throw;
         this->meter_.skipped.add(1);
+        // Nor is a failure swallowed unannounced: its sample drops it.
+        if (gate_ != nullptr) gate_->failure_dropped(error.file(), error.member());
       }
     }
   }
@@ -236,7 +238,14 @@ class Untar final : public Stage<Input, TarMember>, public detail::GatedMembers 
         }
         return std::nullopt;
       }
-      if (!succeeded(status)) throw corrupt_header(archive_reason(archive_.get()));
+      if (!succeeded(status)) {
+        // libarchive names no reason where a pax or GNU header's own data
+        // is cut short.
+        const bool no_reason = archive_error_string(archive_.get()) == nullptr;
+        throw corrupt_header(no_reason && source_->exhausted()
+                                 ? "the archive ends inside a header's extended data (truncated)"
+                                 : archive_reason(archive_.get()));
+      }
       // Where this entry's padded data ends: libarchive consumes it by the
       // next header, and an end-of-archive block must follow.
       const int64_t data_bytes = archive_entry_size_is_set(entry) ? std::max<int64_t>(archive_entry_size(entry), 0) : 0;

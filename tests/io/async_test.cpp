@@ -692,6 +692,68 @@ TEST(AsyncMapResume, OutOfOrderResumesEachItemOnceAloneAndBehindAFilter) {
   }
 }
 
+// A resumed out-of-order pass behind a filter replays the saved order,
+// failures included. Before, a replayed item that failed left the replay
+// marked as started: the next call waited for an item never started, and
+// the resumed pass() (the filter's skip pulls) hung for ever. Resumed after
+// every output, next() and try_next() hand out the rest of the saved pass.
+TEST(AsyncMapResume, AFailedItemInAnOutOfOrderReplayBehindAFilterIsHandedOutAndTheReplayGoesOn) {
+  auto make = [] {
+    return nodes::from_range(0, 6) |
+           nodes::async_map<int64_t>(
+               [](int64_t i, Completion<int64_t> done) {
+                 if (i == 1) throw std::runtime_error("item 1 fails");
+                 done(i);
+               },
+               {.max_in_flight = 2, .in_order = false}) |
+           nodes::filter([](int64_t) { return true; });
+  };
+  const auto outcome = [](auto& pass, bool polling, std::vector<std::string>& out) {
+    try {
+      std::optional<int64_t> item;
+      if (polling) {
+        Poll poll;
+        while ((poll = pass.try_next(item)) == Poll::pending) {
+        }
+        if (poll == Poll::end) return false;
+      } else {
+        item = pass.next();
+        if (!item) return false;
+      }
+      out.push_back(std::to_string(*item));
+    } catch (const NodeError& e) {
+      out.push_back("error at " + std::to_string(e.position()));
+    }
+    return true;
+  };
+  std::vector<std::string> reference;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    while (outcome(pass, false, reference)) {
+    }
+  }
+  ASSERT_EQ(reference, (std::vector<std::string>{"0", "error at 1", "2", "3", "4", "5"}));
+  for (const bool polling : {false, true}) {
+    for (size_t stop = 0; stop <= reference.size(); ++stop) {
+      std::vector<std::string> got;
+      std::string saved;
+      {
+        auto pipeline = make();
+        auto pass = pipeline.pass();
+        for (size_t k = 0; k < stop; ++k) ASSERT_TRUE(outcome(pass, polling, got));
+        saved = pipeline.state().to_json();
+      }
+      auto pipeline = make();
+      pipeline.load_state(conveyor::State::from_json(saved));
+      auto pass = pipeline.pass();
+      while (outcome(pass, polling, got)) {
+      }
+      EXPECT_EQ(got, reference) << "stopped after " << stop << (polling ? ", try_next()" : ", next()");
+    }
+  }
+}
+
 // A dataset whose get is asynchronous, read in a sampler's order: the
 // sampler's pass as a node (from_sampler), then async_map. In input order it
 // gives what from_map_dataset gives with a synchronous get through the same

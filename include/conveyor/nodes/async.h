@@ -525,7 +525,13 @@ class AsyncMap : public detail::ReorderingStage<In, Out> {
       replay_started_ = true;
     }
     while (true) {
-      const Poll poll = take(out);  // logs the input it hands out
+      Poll poll = Poll::pending;
+      try {
+        poll = take(out);  // logs the input it hands out
+      } catch (...) {
+        replay_started_ = false;  // a failed item is handed out too: the next call starts the next one
+        throw;
+      }
       if (poll != Poll::pending) {
         replay_started_ = false;
         return poll;

@@ -57,6 +57,7 @@ struct Transfer {
   // range asked for (read_header).
   std::string content_range;
   bool range_answered = false;
+  uint64_t range_bytes = 0;  // what that Content-Range promises of the item: a shorter body is cut short
   int attempts = 0;
   // Garbage for a status line on a kept connection is tried again once on a
   // new one (finish()).
@@ -164,6 +165,9 @@ size_t read_header(char* data, size_t size, size_t count, void* user) {
       transfer.content_range.assign(text);
       if (!answers_range(transfer, text)) return 0;  // CURLE_WRITE_ERROR
       transfer.range_answered = true;
+      const io::detail::ContentRange answered = *io::detail::parse_content_range(text);  // answers_range parsed it
+      transfer.range_bytes = answered.last - answered.first + 1;
+      if (transfer.length) transfer.range_bytes = std::min(transfer.range_bytes, *transfer.length);
     }
   }
   // A whole object (200) for a ranged item is cut by keep_slice: its length is not the item's.
@@ -376,6 +380,7 @@ class HttpGet final : public Stage<Input, HttpObject> {
     transfer.enough = false;
     transfer.content_range.clear();
     transfer.range_answered = false;
+    transfer.range_bytes = 0;
     transfer.error_text[0] = '\0';
     ++transfer.attempts;
     // Set or cleared per attempt: the slot's handle serves every item after.
@@ -475,7 +480,11 @@ class HttpGet final : public Stage<Input, HttpObject> {
     // range starting at or past the end is a 416).
     const bool before_range = transfer.ranged && status != 206 && transfer.body.empty();
     const bool unanswered = transfer.ranged && status == 206 && !transfer.range_answered;
-    if (whole && status >= 200 && status < 300 && !over_length && !before_range && !unanswered) {
+    // A 206 whose body (a Content-Length, or chunks, of its own) stops
+    // short of its Content-Range.
+    const bool short_range = transfer.ranged && status == 206 && transfer.range_answered &&
+                             transfer.body.size() < transfer.range_bytes;
+    if (whole && status >= 200 && status < 300 && !over_length && !before_range && !unanswered && !short_range) {
       transfer.state = Transfer::State::done;
       return;
     }
@@ -483,6 +492,11 @@ class HttpGet final : public Stage<Input, HttpObject> {
       why = "the server's 206 for the range " + range_text(transfer) + " has no Content-Range";
     } else if (whole && over_length) {
       why = "the server sent " + std::to_string(transfer.body.size()) + " bytes for the range " + range_text(transfer);
+    } else if (whole && short_range) {
+      why = "the server's 206 for the range " + range_text(transfer) + " (Content-Range '" + transfer.content_range +
+            "') ended after " + std::to_string(transfer.body.size()) + " of its " +
+            std::to_string(transfer.range_bytes) + " bytes";
+      retry = true;
     } else if (whole && status >= 200 && status < 300) {
       // A server without Range support sent the whole object, which ends
       // before the range's first byte.

@@ -404,7 +404,13 @@ class HttpStream final : public ByteStream {
     long status = status_;
     if (status == 0) curl_easy_getinfo(connection_.easy, CURLINFO_RESPONSE_CODE, &status);
     if (result == CURLE_OK && !response_checked_ && status >= 200 && status < 300) response_checked_ = true;  // empty body
-    if (result == CURLE_OK && status >= 200 && status < 300) {
+    if (result == CURLE_OK && status >= 200 && status < 300 && discard_ > 0) {
+      // Sent whole again, and ending before the bytes already read: not the
+      // object this stream began (a first response without validators or
+      // length left nothing else to tell them apart by).
+      changed_ = "it now ends at byte " + std::to_string(received_ - discard_) + ", but " +
+                 std::to_string(received_) + " bytes of it were read";
+    } else if (result == CURLE_OK && status >= 200 && status < 300) {
       if (!size_ || received_ == *size_) {
         done_ = true;
         if (version == CURL_HTTP_VERSION_1_0 || version == CURL_HTTP_VERSION_1_1) connection_.kept_socket = socket;

@@ -637,6 +637,40 @@ TEST(HttpStreamScripted, A206ThatStopsShortOfTheObjectIsNotItsEnd) {
   EXPECT_EQ(ranges, (std::vector<std::optional<uint64_t>>{std::nullopt, kSize / 2, kSize / 2 + 10}));
 }
 
+// A chunked first response without validators is cut after half the
+// object; the resume is answered with a whole object (200) of a fifth of
+// its length: the object the stream began is gone. Before, the 200's bytes
+// were all dropped as already read and the stream ended cleanly at the
+// cut, short of the object with no error.
+TEST(HttpStreamScripted, AResumeAnsweredWithAWholeObjectEndingBeforeTheCutIsRefused) {
+  constexpr size_t kSize = 100000;
+  const std::string object = versioned_object(kSize, 0);
+  const auto chunk = [](const std::string& bytes) {
+    char size[32];
+    std::snprintf(size, sizeof size, "%zx\r\n", bytes.size());
+    return std::string(size) + bytes + "\r\n";
+  };
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (!request.range_start) {
+      ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(object.substr(0, kSize / 2)));
+      ScriptedServer::wait_acknowledged(fd);
+      return false;
+    }
+    ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" +
+                                     chunk(object.substr(0, kSize / 5)) + "0\r\n\r\n");
+    return true;
+  });
+  const std::string url = server.url("/shard.tar");
+  std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+  const DataError error = read_error(*stream);
+  EXPECT_EQ(error.file(), url);
+  EXPECT_NE(std::string(error.what())
+                .find("the object changed between attempts (it now ends at byte 20000, but 50000 bytes of it were read)"),
+            std::string::npos)
+      << error.what();
+  EXPECT_EQ(server.requests().size(), 2u) << "not retried: another object";
+}
+
 // A response sends 500 bytes past its Content-Length once the client has
 // read it whole. The next stream of the opener does not reuse that
 // connection (the bytes would be read as its response: "Received

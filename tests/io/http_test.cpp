@@ -685,6 +685,42 @@ TEST(HttpGetScripted, BytesPastAContentLengthDoNotFailTheNextObject) {
   EXPECT_EQ(requests.back().connection, 2);
 }
 
+// A 206 whose body stops short of its own Content-Range ("bytes
+// 100-199/1000" with 50 bytes, by a Content-Length of 50 or by chunks) is
+// a short transfer: tried again, then a DataError naming what it carried.
+// Before, the 50 bytes were handed out as the 100-byte range, no error.
+TEST(HttpGetScripted, A206ShorterThanItsContentRangeIsRetriedThenADataError) {
+  using conveyor::test::ScriptedServer;
+  std::string object(1000, '\0');
+  for (size_t i = 0; i < object.size(); ++i) object[i] = static_cast<char>('a' + i % 26);
+  for (const bool chunked : {false, true}) {
+    SCOPED_TRACE(chunked ? "chunked" : "Content-Length: 50");
+    ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+      const std::string body = object.substr(100, 50);
+      ScriptedServer::send_all(fd, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/1000\r\n" +
+                                       (chunked ? "Transfer-Encoding: chunked\r\n\r\n32\r\n" + body + "\r\n0\r\n\r\n"
+                                                : "Content-Length: 50\r\n\r\n" + body));
+      return true;
+    });
+    const std::string url = server.url("/object.bin");
+    auto pipeline = from_vector(std::vector<HttpRange>{{url, 100, 100}}) |
+                    http_get({.max_in_flight = 1, .retries = 2, .backoff = milliseconds(1)});
+    auto pass = pipeline.pass();
+    try {
+      std::optional<HttpObject> got = pass.next();
+      ADD_FAILURE() << "got " << (got ? got->bytes.size() : 0) << " bytes for the 100-byte range, no error";
+    } catch (const DataError& error) {
+      EXPECT_EQ(error.file(), url);
+      EXPECT_NE(std::string(error.what())
+                    .find("the server's 206 for the range bytes 100-199 (Content-Range 'bytes 100-199/1000') ended "
+                          "after 50 of its 100 bytes (after 3 attempts)"),
+                std::string::npos)
+          << error.what();
+    }
+    EXPECT_EQ(server.requests().size(), 3u);
+  }
+}
+
 // An error status's body is not read through: a server's endless 404 page
 // (chunked, so no length to refuse it by) ends the item at its first bytes,
 // while the server still holds the rest back.

@@ -568,20 +568,8 @@ TEST(Sharding, AFailedInputIsTheErrorOfTheOneRankWhoseItemItWouldHaveBeen) {
       }
     }
     for (size_t stop = 0; stop <= reference.size(); ++stop) {
-      Outcomes got;
-      State saved;
-      {
-        auto pipeline = make();
-        auto pass = pipeline.pass();
-        for (size_t i = 0; i < stop; ++i) ASSERT_TRUE(take_one(pass, got));
-        saved = pipeline.state();
-      }
-      auto pipeline = make();
-      pipeline.load_state(saved);
-      auto pass = pipeline.pass();
-      while (take_one(pass, got)) {
-      }
-      EXPECT_EQ(got, reference) << "rank " << rank << ", stopped after " << stop;
+      EXPECT_EQ(conveyor::testing::stopped_and_resumed(make, stop), reference)
+          << "rank " << rank << ", stopped after " << stop;
     }
   }
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <conveyor/node.h>
+#include <conveyor/state.h>
 
 namespace conveyor::testing {
 
@@ -33,6 +34,29 @@ bool take_one(Pass& pass, Outcomes& out) {
     out.push_back("error in " + e.node().substr(0, e.node().find('(')) + " at " + std::to_string(e.position()));
   }
   return true;
+}
+
+// A pass of `make()` (a pipeline with its seed set) stopped after `stop`
+// outcomes, then a fresh `make()` resumed from its state (through JSON, as
+// a checkpoint goes) to the end: together a whole pass's outcomes, when
+// the resume is exact.
+template <class Make>
+Outcomes stopped_and_resumed(const Make& make, size_t stop) {
+  Outcomes got;
+  State saved;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    while (got.size() < stop && take_one(pass, got)) {
+    }
+    saved = pipeline.state();
+  }
+  auto pipeline = make();
+  pipeline.load_state(State::from_json(saved.to_json()));
+  auto pass = pipeline.pass();
+  while (take_one(pass, got)) {
+  }
+  return got;
 }
 
 }  // namespace conveyor::testing

@@ -453,12 +453,19 @@ class DataLoader {
       check_resume(resume->position);
     } else if (const State* workers = state.find("workers")) {
       resume.emplace();
+      resume->between_epochs = true;
       for (const State& position : workers->items()) {
         resume->position.generators.push_back(detail::generator_from_state(position));
       }
       if (resume->position.generators.size() != core.plan.num_workers) {
         throw StateError("load_state_dict: the state holds " + std::to_string(resume->position.generators.size()) +
                          " workers' generators for a loader with num_workers=" + std::to_string(core.plan.num_workers));
+      }
+      // An iterable's replicas start there, before their iter() (whose
+      // draws, a shuffle's seed, the epoch keeps), as a persistent pool's
+      // next epoch does: set after it, the generator went back over them.
+      if (core.plan.kind == detail::DatasetKind::iterable) {
+        resume->position.start_generators = resume->position.generators;
       }
     }
     // Everything is read and checked, the generators' texts on scratch
@@ -561,9 +568,16 @@ class DataLoader {
     const Core& core = *core_;
     State start = State::object();
     start.set("generator", generator_text(core.plan.generator ? *core.plan.generator : default_generator()));
+    // The process's generator too, where it draws the epoch's data beside
+    // a generator of the loader's own: a sampler drawing from it, or the
+    // dataset read in the consumer's thread under round_robin (PyTorch's
+    // single-process loading). Else a state taken between epochs lost it.
     const bool sampler_draws_process =
         core.plan.index_sampler && core.plan.index_sampler->draws_from_default_generator();
-    if (core.plan.generator && sampler_draws_process) start.set("process_generator", generator_text(default_generator()));
+    const bool dataset_draws_process = core.plan.num_workers == 0 && core.plan.scheduling == Scheduling::round_robin;
+    if (core.plan.generator && (sampler_draws_process || dataset_draws_process)) {
+      start.set("process_generator", generator_text(default_generator()));
+    }
     if (core.plan.index_sampler) start.set("sampler", core.plan.index_sampler->state());
     start.set("persistent_base_seed",
               core.persistent_base_seed ? State(*core.persistent_base_seed) : State());

@@ -805,9 +805,11 @@ class LoaderBatches final : public LoaderNode<typename LoaderCore<D, C>::batch_t
     active_.assign(lanes_->count(), true);
     active_count_ = lanes_->count();
     next_worker_ = 0;
-    if (resume_) {
+    if (resume_ && !resume_->between_epochs) {
       // What the consumer had received stays received: a second state in
       // this epoch holds it too. The generators are the pass's own, set above.
+      // (A state between epochs holds no position in one: the pass's own,
+      // begun above, stands.)
       std::vector<OptionalPosition> generators = std::move(progress_->position.generators);
       progress_->position = resume_->position;
       progress_->position.generators = std::move(generators);

@@ -79,8 +79,11 @@ struct EpochPosition {
   uint64_t next_lane = 0;
 
   // Iterable: replica `lane` has handed over every batch it had.
+  // False for a lane the position does not hold (a state between epochs
+  // holds none).
   bool lane_done(size_t lane) const {
-    return lane_end[lane] >= 0 && lanes[lane].prefix >= static_cast<uint64_t>(lane_end[lane]);
+    return lane < lane_end.size() && lane < lanes.size() && lane_end[lane] >= 0 &&
+           lanes[lane].prefix >= static_cast<uint64_t>(lane_end[lane]);
   }
   // round_robin, by worker (in the consumer's thread: the process's, slot
   // 0): the generator after its last batch below the prefix (its replica's
@@ -178,6 +181,9 @@ struct LoaderResume {
   uint64_t epoch = 0;
   std::optional<int64_t> base_seed;  // mid-epoch: the one the epoch drew
   EpochPosition position;
+  // Taken once an epoch had ended: `position` holds only where persistent
+  // workers' generators go on from; the epoch itself starts afresh.
+  bool between_epochs = false;
 };
 
 // An epoch's position as the "epoch" member of a state, and back.

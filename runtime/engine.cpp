@@ -192,7 +192,7 @@ class ThreadReservations {
         tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism);
     const size_t limit = tbb_worker_limit(limit_at_start_);
     // Once per cause, not once per engine.
-    bool& warned = active < reserved_ + 1 ? warned_held_by_other_ : warned_beyond_tbb_;
+    bool& warned = active < std::min(reserved_, limit) + 1 ? warned_held_by_other_ : warned_beyond_tbb_;
     const std::string warning = thread_limit_warning(reserved_, active, limit);
     if (!warning.empty() && !warned) {
       warned = true;
@@ -227,7 +227,9 @@ std::string thread_limit_warning(size_t workers_wanted, size_t parallelism_in_fo
   const std::string wanted = std::to_string(workers_wanted);
   // Every live engine reserves its threads: loaders' pools and pipelines' nodes.
   const std::string who = " conveyor worker threads (DataLoader workers and pipeline nodes together)";
-  if (parallelism_in_force < workers_wanted + 1) {
+  // Once oneTBB has started it reports at most its own worker limit + 1:
+  // there, the limit is its own, not another control's.
+  if (parallelism_in_force < std::min(workers_wanted, tbb_worker_limit) + 1) {
     return "TBB's max_allowed_parallelism is held at " + std::to_string(parallelism_in_force) +
            " by another tbb::global_control in this process, below the " + wanted +
            who + " that want to run at once; workers beyond " +
@@ -712,7 +714,8 @@ struct Engine::Impl {
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
     std::string message = config().timeout_subject + " timed out after " + std::string(seconds) +
-                          " seconds waiting for " + config().job_noun + " " + std::to_string(m.index);
+                          " seconds waiting for " + config().job_noun + " " +
+                          std::to_string(config().job_number ? config().job_number(m.index) : m.index);
     const int64_t started = s.started_ns.load(std::memory_order_relaxed);
     const int running = s.running_worker.load(std::memory_order_relaxed);
     if (started != 0) {

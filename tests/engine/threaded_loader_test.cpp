@@ -302,6 +302,55 @@ TEST(ThreadedLoader, TimeoutNamesTheStuckBatchAndTheWaitCanGoOn) {
   EXPECT_FALSE(epoch.next().has_value());
 }
 
+// A resumed epoch's jobs skip the batches its consumer had: its first job
+// makes batch 3. Before, a timeout there named "batch 0", the job's number.
+TEST(ThreadedLoader, ATimeoutInAResumedEpochNamesTheEpochsBatch) {
+  Gates gate(1);
+  std::atomic<bool> inside{false};
+  struct Stuck final : conveyor::Dataset<int64_t> {
+    Gates* gate = nullptr;  // index 6 (batch 3) waits on it, once set
+    std::atomic<bool>* inside = nullptr;
+    size_t size() const override { return 12; }
+    int64_t get(size_t i) override {
+      if (gate && i == 6) {
+        inside->store(true);
+        inside->notify_all();
+        gate->wait(0);
+      }
+      return static_cast<int64_t>(i);
+    }
+  } dataset;
+  const conveyor::LoaderOptions options{.batch_size = 2, .num_workers = 2, .timeout = 0.2,
+                                        .scheduling = Scheduling::round_robin};
+  conveyor::State saved;
+  {
+    conveyor::DataLoader loader(dataset, options);
+    auto epoch = loader.iter();
+    for (int k = 0; k < 3; ++k) ASSERT_TRUE(epoch.next().has_value());
+    saved = loader.state_dict();
+  }
+  dataset.gate = &gate;
+  dataset.inside = &inside;
+  conveyor::DataLoader loader(dataset, options);
+  loader.load_state_dict(saved);
+  auto epoch = loader.iter();  // its jobs start at the first next()
+  try {
+    epoch.next();
+    FAIL() << "no timeout";
+  } catch (const conveyor::TimeoutError& e) {
+    // Worker 1's (3 % 2), begun or still queued: whichever the machine's load made it.
+    const std::string message = e.what();
+    EXPECT_NE(message.find("DataLoader timed out after 0.2 seconds waiting for batch 3 ("), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("worker 1"), std::string::npos) << message;
+  }
+  inside.wait(false);
+  gate.open(0);
+  std::vector<int64_t> firsts;
+  while (auto batch = epoch.next()) firsts.push_back((*batch)[0]);
+  EXPECT_EQ(firsts, (std::vector<int64_t>{6, 8, 10}));
+}
+
 // A timeout whose wait then went on is over once the batch came: leaving
 // that epoch with batches in flight keeps a persistent loader's workers,
 // their init and their generators' streams (dropping the pool as if a task

@@ -74,6 +74,10 @@ struct EngineConfig {
   std::string timeout_subject = "DataLoader";
   std::string job_noun = "batch";
   std::string jobs_noun = "batches";
+  // The number a timeout's message gives job i of the pass (none: i). A
+  // resumed loader's jobs skip the batches its consumer had: job 0 may be
+  // batch 3. Called on the consumer's thread.
+  std::function<uint64_t(uint64_t)> job_number;
   uint64_t first_seq = 0;  // tests start near the wrap point
 };
 

@@ -343,6 +343,7 @@ class WorkerPool final : public SequencedWindow<SlotResult<typename LoaderCore<D
     const bool iterable = plan.kind == DatasetKind::iterable;
     config.per_worker_queues = iterable || plan.scheduling == Scheduling::round_robin;
     config.timeout = plan.timeout;
+    config.job_number = [this](uint64_t job) { return batch_of(job); };
     window_.emplace(config, *this, /*executor=*/nullptr, InputsAfterTake::keep);
   }
 

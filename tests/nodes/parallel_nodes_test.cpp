@@ -152,6 +152,42 @@ TEST(ParallelMap, MetricsSumTheWorkersTimeAndShowTheWindow) {
   EXPECT_GT(prefetch.upstream_wait_seconds, 0.0);  // the strand waited on the map
 }
 
+// A resumed out-of-order map behind a filter (which skips by pulling)
+// makes the saved outputs again on the consumer's thread: that f time is
+// busy time too. Before, busy counted the workers' items alone (about 10
+// of 40 items' worth).
+TEST(ParallelMap, AResumedOutOfOrderMapCountsTheItemsItReplaysAsBusy) {
+  constexpr int64_t kItems = 40;
+  constexpr uint64_t kSpinNs = 1'000'000;
+  auto make = [] {
+    return nodes::from_range(0, kItems) |
+           nodes::map(
+               [](int64_t x) {
+                 conveyor::testing::spin_delay(kSpinNs);
+                 return x;
+               },
+               {.workers = 2, .window = 4, .in_order = false}) |
+           nodes::filter([](int64_t) { return true; });
+  };
+  conveyor::State saved;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    for (int k = 0; k < 30; ++k) ASSERT_TRUE(pass.next().has_value());
+    saved = pipeline.state();
+  }
+  auto pipeline = make();
+  pipeline.timed();
+  pipeline.load_state(saved);
+  size_t items = 0;
+  for (auto pass = pipeline.pass(); pass.next();) ++items;
+  EXPECT_EQ(items, 10u);
+  const auto metrics = pipeline.metrics();
+  ASSERT_EQ(metrics.size(), 3u);
+  EXPECT_EQ(metrics[1].items_out, static_cast<uint64_t>(kItems));  // the 30 replayed, then 10
+  EXPECT_GE(metrics[1].busy_seconds, static_cast<double>(kItems * kSpinNs) * 1e-9);
+}
+
 // prefetch's mean_in_flight tells a starved prefetch from a full one: the
 // items ready when the consumer took one. Starved: upstream makes item k
 // only once the consumer has asked for it, so exactly one is ready at each

@@ -301,9 +301,20 @@ class ParallelMap final
     auto pending = replay_inputs_.take_next_saved(order_, wanted, inputs_, name(), [this] { return this->pull(); },
                                                   [this] { return this->position(); });
     const conveyor::detail::WorkerScope scope(nullptr, this->seed_of(pending.position));
-    try {
-      out.emplace(std::as_const(f_)(std::move(*pending.item)));
-    } catch (...) {
+    std::exception_ptr error;
+    auto apply = [&] {
+      try {
+        out.emplace(std::as_const(f_)(std::move(*pending.item)));
+      } catch (...) {
+        error = std::current_exception();
+      }
+    };
+    if (this->pass_.timed) {
+      worker_busy_ns_.add(detail::timed_ns(apply));  // f's time, on this thread as on a worker
+    } else {
+      apply();
+    }
+    if (error) {
       // Logged only as handed out (take()): a skipped item is not, or a
       // later state would count it as received.
       if (options_.on_error == OnError::skip) {
@@ -311,7 +322,11 @@ class ParallelMap final
         return false;
       }
       order_.handed_out(wanted);
-      conveyor::detail::throw_node_error(name(), pending.position);
+      try {
+        std::rethrow_exception(error);
+      } catch (...) {
+        conveyor::detail::throw_node_error(name(), pending.position);
+      }
     }
     order_.handed_out(wanted);
     return true;
@@ -363,7 +378,7 @@ class ParallelMap final
   std::exception_ptr upstream_error_;
   uint64_t upstream_error_input_ = 0;
   detail::Occupancy occupancy_;
-  detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken
+  detail::Counter<int64_t> worker_busy_ns_;  // timed passes: summed from the results taken, and replay()'s
   std::shared_ptr<BufferAllocator> item_memory_;  // set before the window starts
   detail::ExecutorShare executor_;
   std::optional<Window> window_;  // last: stopped first

@@ -1,14 +1,20 @@
 // conveyor::distributed with real processes: 2 and 4 ranks on 127.0.0.1,
 // each a conveyor_distributed_rank started here (or by torchrun), every
 // launch bounded by a deadline that kills what is left.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -202,57 +208,59 @@ TEST(Launcher, ASpawnFailureLeavesNoEarlierProcessRunning) {
   EXPECT_EQ(errno, ECHILD);
 }
 
-// Its state in /proc ('Z' for a zombie), or 0 when it is gone.
-char process_state(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-  const size_t close = text.rfind(')');
-  return close == std::string::npos || close + 2 >= text.size() ? 0 : text[close + 2];
-}
-
 // A test binary killed mid-run (by its timeout, or a user) leaves no rank
 // behind: each is started with a parent-death signal. Here a child process
 // runs run_all and is killed; the rank it started (a shell that writes its
-// pid, then sleeps) must end with it. Before, it slept on, re-parented.
+// pid into a FIFO, then sleeps) must end with it. Before, it slept on,
+// re-parented. Both events are waited for with poll(): the pid's arrival on
+// the FIFO, and the rank's end on a pidfd (readable once it has exited).
 TEST(Launcher, ARankEndsWithTheProcessThatLaunchedIt) {
-  const std::string pid_file = std::filesystem::temp_directory_path() /
-                               ("conveyor-launcher-rank-" + std::to_string(::getpid()) + ".pid");
-  std::filesystem::remove(pid_file);
+  const std::string fifo = std::filesystem::temp_directory_path() /
+                           ("conveyor-launcher-rank-" + std::to_string(::getpid()) + ".fifo");
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << fifo << ": " << std::strerror(errno);
+  // Opened before the rank starts, so the rank's open for writing does not
+  // wait, and no end of file is seen before a writer has come and gone.
+  const int pid_reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(pid_reader, 0) << fifo << ": " << std::strerror(errno);
   const pid_t runner = ::fork();
   ASSERT_GE(runner, 0);
   if (runner == 0) {
     try {
-      conveyor::test::run_all({{{"/bin/sh", "-c", "echo $$ > " + pid_file + ".tmp && mv " + pid_file +
-                                                      ".tmp " + pid_file + " && exec sleep 300"},
-                                {}}},
+      conveyor::test::run_all({{{"/bin/sh", "-c", "echo $$ > " + fifo + " && exec sleep 300"}, {}}},
                               milliseconds(60000));
     } catch (...) {
     }
     ::_exit(0);
   }
-  // Waits (at most 30 s) for the rank to say who it is: an event in another
-  // process, looked at every 10 ms.
-  pid_t rank = 0;
-  for (int look = 0; look < 3000 && rank == 0; ++look) {
-    std::ifstream in(pid_file);
-    if (!(in >> rank)) {
-      rank = 0;
-      std::this_thread::sleep_for(milliseconds(10));
-    }
+  std::string said;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (said.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    pollfd ready{.fd = pid_reader, .events = POLLIN, .revents = 0};
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (::poll(&ready, 1, static_cast<int>(std::max<int64_t>(left.count(), 1))) <= 0) continue;
+    char bytes[64];
+    const ssize_t got = ::read(pid_reader, bytes, sizeof bytes);
+    if (got > 0) said.append(bytes, static_cast<size_t>(got));
+    if (got == 0) break;  // the writer came and went
   }
+  ::close(pid_reader);
+  std::filesystem::remove(fifo);
+  const pid_t rank = said.find('\n') == std::string::npos ? 0 : static_cast<pid_t>(std::atol(said.c_str()));
+  // Taken while the runner lives: the rank cannot have ended yet, so the
+  // pid is still the rank's.
+  const int rank_end = rank > 0 ? static_cast<int>(::syscall(SYS_pidfd_open, rank, 0)) : -1;
   ::kill(runner, SIGKILL);
   ::waitpid(runner, nullptr, 0);
-  ASSERT_GT(rank, 0) << "the rank never wrote " << pid_file;
-  std::filesystem::remove(pid_file);
-  // The signal is sent as the runner ends; the rank's end is looked for
+  ASSERT_GT(rank, 0) << "the rank never wrote its pid into " << fifo << " (it said \"" << said << "\")";
+  ASSERT_GE(rank_end, 0) << "pidfd_open(" << rank << "): " << std::strerror(errno);
+  // The signal is sent as the runner ends; the rank's end is waited for
   // for at most 30 s.
-  char state = process_state(rank);
-  for (int look = 0; look < 3000 && state != 0 && state != 'Z'; ++look) {
-    std::this_thread::sleep_for(milliseconds(10));
-    state = process_state(rank);
-  }
-  EXPECT_TRUE(state == 0 || state == 'Z') << "rank " << rank << " outlived the process that launched it";
-  if (state != 0 && state != 'Z') ::kill(rank, SIGKILL);
+  pollfd ended{.fd = rank_end, .events = POLLIN, .revents = 0};
+  const int polled = ::poll(&ended, 1, 30000);
+  EXPECT_EQ(polled, 1) << "rank " << rank << " outlived the process that launched it";
+  if (polled != 1) ::kill(rank, SIGKILL);
+  ::close(rank_end);
   ::waitpid(rank, nullptr, WNOHANG);  // ours to reap where this process is a subreaper
 }
 

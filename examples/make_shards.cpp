@@ -2,6 +2,8 @@
 // WebDataset JPEG tar shards, so the tar -> decode path runs on real images.
 //
 //   conveyor-make-shards [--data DIR] [--test] [--out PREFIX] [--per-shard N] [--quality Q]
+//
+// PREFIX defaults to fashion-mnist-jpeg/train- (test- with --test).
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -34,7 +36,9 @@ long number(const std::string& flag, const char* text, long low, long high) {
 
 int main(int argc, char** argv) {
   std::string data = conveyor::kFashionMnistDirectory;
-  std::string out = "fashion-mnist-shards/train-";
+  // Not the trainer's own directory (fashion-mnist-shards): it reads only
+  // the shards its COMPLETE marker lists, and refuses a directory of others.
+  std::string out;
   bool train = true;
   long per_shard = 5000, quality = 95;
   for (int i = 1; i < argc; ++i) {
@@ -58,6 +62,7 @@ int main(int argc, char** argv) {
       usage("unknown flag " + flag);
     }
   }
+  if (out.empty()) out = train ? "fashion-mnist-jpeg/train-" : "fashion-mnist-jpeg/test-";
   try {
     const std::filesystem::path parent = std::filesystem::path(out).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent);

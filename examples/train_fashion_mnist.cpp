@@ -59,6 +59,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -153,6 +154,7 @@ Flags parse(int argc, char** argv) {
         flags.data = value;
       } else if (name == "--shards") {
         flags.shards = value;
+        if (flags.shards.empty()) usage("--shards needs a directory, a pattern or a URL pattern, got ''");
       } else if (name == "--scheduling") {
         const std::string mode = value;
         if (mode == "work_stealing") {
@@ -239,27 +241,56 @@ conveyor::LabeledImage decode(conveyor::ShardSample&& sample) {
 }
 
 bool is_url(const std::string& shards) { return shards.starts_with("http://") || shards.starts_with("https://"); }
-// A brace range names the shards themselves, never a directory to write into.
-bool is_pattern(const std::string& shards) { return shards.find('{') != std::string::npos; }
-
-// Fashion-MNIST as JPEG shards, written once into `directory`.
+// Fashion-MNIST as JPEG shards, written once into `directory`. Its COMPLETE
+// marker lists the shards written (one name a line), and only those are
+// read: .tar files of another origin beside them are not. A directory that
+// holds .tar files but neither marker (WRITING: a write of ours was cut
+// short, and is done again) is refused, never written into.
 std::vector<std::string> ensure_shards(const std::string& directory, const std::string& data) {
   namespace fs = std::filesystem;
   const std::string done = directory + "/COMPLETE";
+  const auto tar_files = [&] {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(directory)) {
+      if (entry.path().extension() == ".tar") names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::string writing = directory + "/WRITING";
   if (!fs::exists(done)) {
+    if (fs::is_directory(directory) && !fs::exists(writing) && !tar_files().empty()) {
+      throw conveyor::DataError("holds .tar files but no COMPLETE marker, so they are not shards this trainer "
+                                "wrote; name them with a pattern (e.g. --shards '" + directory +
+                                    "/train-{000000..000011}.tar') or give an empty directory",
+                                directory);
+    }
     std::printf("writing JPEG tar shards of the training set into %s ...\n", directory.c_str());
     fs::create_directories(directory);
+    std::ofstream(writing).flush();
+    if (!fs::exists(writing)) throw conveyor::DataError("cannot write the WRITING marker", writing);
     conveyor::IdxImageDataset train = conveyor::IdxImageDataset::from_directory(data, true);
-    conveyor::examples::write_image_shards(train, directory + "/train-", 5000, 95);
-    std::FILE* marker = std::fopen(done.c_str(), "w");
-    if (marker) std::fclose(marker);
+    const std::vector<std::string> written =
+        conveyor::examples::write_image_shards(train, directory + "/train-", 5000, 95);
+    // Written whole, then renamed into place: a run killed meanwhile leaves no marker.
+    const std::string partial = done + ".partial";
+    {
+      std::ofstream marker(partial, std::ios::trunc);
+      for (const std::string& shard : written) marker << fs::path(shard).filename().string() << '\n';
+      if (!marker.flush()) throw conveyor::DataError("cannot write the COMPLETE marker", partial);
+    }
+    fs::rename(partial, done);
+    fs::remove(writing);
   }
+  std::vector<std::string> names;
+  std::ifstream marker(done);
+  for (std::string line; std::getline(marker, line);) {
+    if (!line.empty()) names.push_back(line);
+  }
+  if (names.empty()) names = tar_files();  // an empty marker: written before markers listed their shards
+  if (names.empty()) throw conveyor::DataError("no .tar shards", directory);
   std::vector<std::string> shards;
-  for (const auto& entry : fs::directory_iterator(directory)) {
-    if (entry.path().extension() == ".tar") shards.push_back(entry.path().string());
-  }
-  std::sort(shards.begin(), shards.end());
-  if (shards.empty()) throw conveyor::DataError("no .tar shards", directory);
+  for (const std::string& name : names) shards.push_back(directory + "/" + name);
   return shards;
 }
 
@@ -757,13 +788,14 @@ int main(int argc, char** argv) {
     if (is_url(flags.shards)) {
       // Streamed over HTTP as they are read, never downloaded first.
 #if CONVEYOR_HAVE_IO
-      shard_paths = conveyor::expand_shard_pattern(flags.shards);
+      shard_paths = conveyor::expand_shard_patterns({flags.shards});
       shard_options.open = conveyor::nodes::http_opener();
 #else
       usage("--shards " + flags.shards + ": URLs need conveyor::io (libcurl), which this build lacks");
 #endif
-    } else if (is_pattern(flags.shards)) {
-      shard_paths = conveyor::expand_shard_pattern(flags.shards);  // a missing one is a DataError naming it
+    } else if (conveyor::is_shard_pattern(flags.shards)) {
+      // A brace range names the shards themselves, never a directory to write into.
+      shard_paths = conveyor::expand_shard_patterns({flags.shards});  // a missing one is a DataError naming it
     } else {
       if (job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
 #if CONVEYOR_HAVE_DISTRIBUTED

@@ -151,6 +151,12 @@ class ChainDataset final : public IterableDataset<T> {
     return total;
   }
 
+  // Each part hears of the epoch (a part that shuffles by epoch, such as
+  // TarShardDataset's shuffle_shards, would otherwise keep epoch 0's order).
+  void set_epoch(uint64_t epoch) override {
+    for (const auto& dataset : datasets_) dataset->set_epoch(epoch);
+  }
+
  private:
   std::vector<std::shared_ptr<IterableDataset<T>>> datasets_;
 };

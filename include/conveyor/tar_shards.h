@@ -115,9 +115,11 @@ std::vector<ShardSample> read_shard(std::span<const uint8_t> bytes, const std::s
 // multiply out left to right. Throws ValueError for a malformed range
 // (including a descending one, or more than ten million paths).
 std::vector<std::string> expand_shard_pattern(const std::string& pattern);
-// Whether `path` holds a brace range's opening "{N.." (a pattern, even a
-// malformed one). In a path without one, braces ("odd-{x}.tar") are part of
-// the name; in a pattern every brace pair must be a range.
+// Whether `path` holds a brace pair with ".." inside ("{0..9}": a pattern,
+// even a malformed one such as "{-1..1}" or "{a..c}", which expanding
+// refuses). In a path without one, braces ("odd-{x}.tar") are part of the
+// name; in a pattern every brace pair must be a range. Expanding also
+// refuses paths that would take more than 1 GiB together.
 bool is_shard_pattern(std::string_view path);
 // Each pattern expanded in turn, their paths in order; an entry that is no
 // pattern (is_shard_pattern) is kept as it is. The same errors, and the same

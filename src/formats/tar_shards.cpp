@@ -40,6 +40,9 @@ constexpr time_t kFixedMtime = 0;
 // expand_shard_pattern() refuses to build more paths than this (a typo such
 // as {0..999999999} would otherwise exhaust memory).
 constexpr size_t kMaxExpandedPaths = 10'000'000;
+// ... nor paths taking more memory than this together (long names: ten
+// million paths of 300 characters would take 3 GB).
+constexpr uint64_t kMaxExpandedBytes = uint64_t{1} << 30;
 
 // The shard reader: untar straight into group_by_key, which checks each
 // member's size from its header (max_sample_bytes bounds untar too). Both
@@ -241,6 +244,17 @@ struct ParsedPattern {
     }
     return paths;
   }
+  // The longest path it makes, in characters.
+  uint64_t longest() const {
+    uint64_t length = 0;
+    for (const std::string& literal : literals) length += literal.size();
+    for (const BraceRange& range : ranges) length += std::max(range.width, std::to_string(range.high).size());
+    return length;
+  }
+  // An upper bound on the memory its paths take, as std::strings; with
+  // count() <= kMaxExpandedPaths, no overflow.
+  uint64_t bytes() const { return count() * path_bytes(longest()); }
+  static uint64_t path_bytes(uint64_t length) { return sizeof(std::string) + length + 1; }
 };
 
 ParsedPattern parse_pattern(const std::string& pattern) {
@@ -265,23 +279,35 @@ ParsedPattern parse_pattern(const std::string& pattern) {
 }  // namespace
 
 bool is_shard_pattern(std::string_view path) {
-  const auto digits = [&](size_t from) {
-    size_t end = from;
-    while (end < path.size() && path[end] >= '0' && path[end] <= '9') ++end;
-    return end;
-  };
   for (size_t open = path.find('{'); open != std::string_view::npos; open = path.find('{', open + 1)) {
-    const size_t first_end = digits(open + 1);
-    if (first_end > open + 1 && path.compare(first_end, 2, "..") == 0) return true;
+    const size_t next_brace = path.find_first_of("{}", open + 1);
+    const std::string_view inside = path.substr(open + 1, next_brace == std::string_view::npos
+                                                              ? std::string_view::npos
+                                                              : next_brace - open - 1);
+    if (inside.find("..") != std::string_view::npos) return true;
   }
   return false;
 }
+
+namespace {
+
+std::string too_much_memory(const char* function, const std::string& pattern) {
+  return std::string(function) + ": the paths would take more than " +
+         std::to_string(kMaxExpandedBytes >> 20) + " MiB, the last pattern being '" + pattern + "'";
+}
+
+}  // namespace
 
 std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
   const ParsedPattern parsed = parse_pattern(pattern);
   if (parsed.count() > kMaxExpandedPaths) {
     throw ValueError("expand_shard_pattern('" + pattern + "'): more than " + std::to_string(kMaxExpandedPaths) +
                      " paths");
+  }
+  if (parsed.bytes() > kMaxExpandedBytes) {
+    throw ValueError("expand_shard_pattern('" + pattern + "'): its " + std::to_string(parsed.count()) +
+                     " paths of up to " + std::to_string(parsed.longest()) + " characters would take more than " +
+                     std::to_string(kMaxExpandedBytes >> 20) + " MiB");
   }
   std::vector<std::string> paths{parsed.literals[0]};
   for (size_t r = 0; r < parsed.ranges.size(); ++r) {
@@ -300,13 +326,21 @@ std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
 
 std::vector<std::string> expand_shard_patterns(const std::vector<std::string>& patterns) {
   // Counted first: the cap holds before a path is made.
-  uint64_t total = 0;
+  uint64_t total = 0, bytes = 0;
   for (const std::string& pattern : patterns) {
-    total += is_shard_pattern(pattern) ? parse_pattern(pattern).count() : 1;
+    if (is_shard_pattern(pattern)) {
+      const ParsedPattern parsed = parse_pattern(pattern);
+      total += parsed.count();
+      bytes += parsed.bytes();
+    } else {
+      total += 1;
+      bytes += ParsedPattern::path_bytes(pattern.size());
+    }
     if (total > kMaxExpandedPaths) {
       throw ValueError("expand_shard_patterns: more than " + std::to_string(kMaxExpandedPaths) +
                        " paths, the last pattern being '" + pattern + "'");
     }
+    if (bytes > kMaxExpandedBytes) throw ValueError(too_much_memory("expand_shard_patterns", pattern));
   }
   std::vector<std::string> paths;
   paths.reserve(static_cast<size_t>(total));

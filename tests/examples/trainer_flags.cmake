@@ -35,3 +35,20 @@ file(READ ${saved} trainer)
 if(NOT trainer MATCHES "\"seed\":18446744073709551615[,}]")
   message(FATAL_ERROR "--seed 18446744073709551615: the run recorded another seed:\n${trainer}")
 endif()
+
+# --shards: an empty value is a bad flag; a directory of .tar files the
+# trainer did not write is refused, not written into or read (they are
+# left as they were); a brace range that is no decimal range is refused.
+execute_process(COMMAND ${TRAINER} ${tiny} --source shards --shards ""
+                RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE errors)
+check_failure("--shards ''" 2 "--shards needs a directory, a pattern or a URL pattern, got ''" "${result}" "${errors}")
+file(MAKE_DIRECTORY ${WORK_DIR}/foreign)
+file(WRITE ${WORK_DIR}/foreign/train-000000.tar "not the trainer's")
+expect_failure(1 "holds .tar files but no COMPLETE marker" ${TRAINER} ${tiny} --source shards --shards ${WORK_DIR}/foreign)
+file(READ ${WORK_DIR}/foreign/train-000000.tar kept)
+file(GLOB foreign_files ${WORK_DIR}/foreign/*)
+list(LENGTH foreign_files foreign_count)
+if(NOT kept STREQUAL "not the trainer's" OR NOT foreign_count EQUAL 1)
+  message(FATAL_ERROR "the trainer wrote into a directory of foreign shards: ${foreign_files}")
+endif()
+expect_failure(1 "malformed range '{a..c}'" ${TRAINER} ${tiny} --source shards --shards ${WORK_DIR}/s-{a..c}.tar)

@@ -401,7 +401,14 @@ TEST(TarExpandShardPattern, ManyPatternsExpandInTurnUnderOneCap) {
   EXPECT_THROW(expand_shard_patterns({"plain.tar", "c{1..}.tar"}), conveyor::ValueError);
   EXPECT_THROW(expand_shard_patterns({"c{1..2.tar"}), conveyor::ValueError);
   EXPECT_TRUE(conveyor::is_shard_pattern("a-{0..1}") && conveyor::is_shard_pattern("a-{12..") &&
-              !conveyor::is_shard_pattern("a-{x..1}") && !conveyor::is_shard_pattern("a-{}.tar"));
+              !conveyor::is_shard_pattern("a-{x}.tar") && !conveyor::is_shard_pattern("a-{}.tar") &&
+              !conveyor::is_shard_pattern("v1..2/a-{x}.tar"));
+  // A brace pair holding ".." is a range, and one that is not decimal is
+  // refused (Python's braceexpand reads some as ranges: never a file name).
+  for (const char* pattern : {"s-{-1..1}.tar", "s-{a..c}.tar", "s-{+0..1}.tar", "s-{ 1..3}.tar", "s-{x..1}.tar"}) {
+    EXPECT_TRUE(conveyor::is_shard_pattern(pattern)) << pattern;
+    EXPECT_THROW(expand_shard_patterns({pattern}), conveyor::ValueError) << pattern;
+  }
   // Each pattern is under the cap, all of them together are not: refused
   // before a path is made (this would be 12 million strings).
   const std::vector<std::string> patterns(3, "s-{0000000..3999999}");
@@ -411,6 +418,25 @@ TEST(TarExpandShardPattern, ManyPatternsExpandInTurnUnderOneCap) {
   } catch (const conveyor::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("more than 10000000 paths"), std::string::npos) << e.what();
   }
+}
+
+// Ten million paths are allowed, but not nine million long ones: 300
+// characters each would take 3 GB. Refused before a path is made, naming
+// the pattern (it was a bad_alloc naming nothing, or the memory taken).
+TEST(TarExpandShardPattern, PathsTakingMoreThanAGibibyteAreRefused) {
+  const std::string pattern = "/data/" + std::string(300, 'x') + "/train-{0000000..8999999}.tar";
+  for (const bool several : {false, true}) {
+    try {
+      (void)(several ? conveyor::expand_shard_patterns({"plain.tar", pattern}) : conveyor::expand_shard_pattern(pattern));
+      ADD_FAILURE() << "nine million paths of 330 characters were expanded";
+    } catch (const conveyor::ValueError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("would take more than 1024 MiB"), std::string::npos) << message;
+      EXPECT_NE(message.find(pattern), std::string::npos) << message;
+    }
+  }
+  // A few long paths stay allowed.
+  EXPECT_EQ(conveyor::expand_shard_pattern("s{0..1}" + std::string(300, 'x')).size(), 2u);
 }
 
 // ---- distribution across workers and ranks ------------------------------------------

@@ -50,6 +50,32 @@ TEST(ChainDataset, ChainsReplicasAndSizes) {
   EXPECT_EQ(conveyor::ChainDataset<int64_t>({a, unsized}).size(), std::nullopt);
 }
 
+// One sample: the epoch it was last told of (a part that orders its data by
+// epoch, as TarShardDataset's shuffle_shards does).
+struct EpochStream final : conveyor::IterableDataset<int64_t> {
+  std::unique_ptr<conveyor::SampleIterator<int64_t>> iter(const conveyor::WorkerInfo*) override {
+    return conveyor::make_sample_iterator<int64_t>(
+        [epoch = epoch, done = false]() mutable -> std::optional<int64_t> {
+          if (done) return std::nullopt;
+          done = true;
+          return static_cast<int64_t>(epoch);
+        });
+  }
+  void set_epoch(uint64_t e) override { epoch = e; }
+  uint64_t epoch = 0;
+};
+
+TEST(ChainDataset, PassesTheEpochOnToEveryPart) {
+  auto a = std::make_shared<EpochStream>();
+  auto b = std::make_shared<EpochStream>();
+  conveyor::ChainDataset<int64_t> chain({a, b});
+  chain.set_epoch(5);
+  auto it = chain.iter(nullptr);
+  std::vector<int64_t> all;
+  while (auto v = it->next()) all.push_back(*v);
+  EXPECT_EQ(all, (std::vector<int64_t>{5, 5}));
+}
+
 TEST(StackDataset, TuplesOfEqualSizedDatasets) {
   auto ints = std::make_shared<RangeDataset>(4);
   auto strings = std::make_shared<conveyor::VectorDataset<std::string>>(

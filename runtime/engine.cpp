@@ -693,11 +693,16 @@ struct Engine::Impl {
     return true;
   }
 
+  // The oldest job not yet done: one done (handed out and not released, or
+  // waiting in `completed`) is not what the consumer waits for.
   uint32_t oldest_in_flight() const {
     uint32_t oldest = 0;
     uint64_t best = UINT64_MAX;
     for (uint32_t s = 0; s < meta.size(); ++s) {
       if (!slot_in_flight(s)) continue;
+      // Relaxed: it only names a job in a message; a turn published
+      // meanwhile names a job that was just done, as a later look would.
+      if (shared->slots[s].turn.load(std::memory_order_relaxed) == meta[s].seq + 1) continue;
       const uint64_t age = meta[s].index;
       if (age < best) {
         best = age;

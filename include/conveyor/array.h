@@ -45,7 +45,8 @@ class Array {
     size_t count = 1;
     for (int64_t extent : shape_) {
       if (extent < 0) throw ValueError("Array: negative extent in shape " + shape_string(shape_));
-      if (extent != 0 && count > SIZE_MAX / sizeof(T) / static_cast<size_t>(extent)) {
+      // At most PTRDIFF_MAX bytes: no allocation is larger.
+      if (extent != 0 && count > static_cast<size_t>(PTRDIFF_MAX) / sizeof(T) / static_cast<size_t>(extent)) {
         throw ValueError("Array: shape " + shape_string(shape_) + " holds more bytes than memory can");
       }
       count *= static_cast<size_t>(extent);

@@ -23,7 +23,8 @@ class BufferAllocator {
 };
 
 // Memory for a batch of `bytes`, from the calling thread's installed
-// allocator or the heap.
+// allocator or the heap. More than PTRDIFF_MAX bytes is a ValueError naming
+// the size (the heap); the pool refuses sizes beyond its classes.
 std::shared_ptr<std::byte> allocate_batch_buffer(size_t bytes);
 
 namespace detail {

@@ -1,8 +1,11 @@
 #include "conveyor/buffer.h"
 
 #include "conveyor/detail/buffer_pool.h"
+#include "conveyor/errors.h"
 
+#include <cstdint>
 #include <new>
+#include <string>
 
 namespace conveyor {
 namespace {
@@ -17,6 +20,13 @@ std::shared_ptr<std::byte> allocate_batch_buffer(size_t bytes) {
 
 namespace detail {
 std::shared_ptr<std::byte> allocate_heap_buffer(size_t bytes) {
+  // No object is larger (pointer differences must fit); and above
+  // SIZE_MAX - 63 libstdc++'s aligned new rounds the size up past zero and
+  // hands out a few bytes for the whole request.
+  if (bytes > static_cast<size_t>(PTRDIFF_MAX)) {
+    throw ValueError("allocate_batch_buffer: " + std::to_string(bytes) +
+                     " bytes is more than one allocation can hold (at most " + std::to_string(PTRDIFF_MAX) + ")");
+  }
   auto* memory = static_cast<std::byte*>(::operator new(bytes == 0 ? 1 : bytes, kAlignment));
   return std::shared_ptr<std::byte>(memory, [](std::byte* p) { ::operator delete(p, kAlignment); });
 }

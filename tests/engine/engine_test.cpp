@@ -499,6 +499,34 @@ TEST(SequencedWindow, InputsAreFreedWhenTheirResultIsTakenByDefault) {
   EXPECT_EQ(window.next_input().capacity(), 0u);  // freed by take(), on this thread
 }
 
+// Out of order, a job handed out and not yet released is done: the timeout
+// names the job still running (it named batch 0, "queued for worker 0, not
+// started", while batch 1 was the one stuck).
+TEST(Engine, AnOutOfOrderTimeoutNamesTheJobNotYetDone) {
+  GatedRunner runner(4, 2);
+  EngineConfig c = config(2, 4, false);
+  c.timeout = std::chrono::milliseconds(50);
+  Engine engine(c, runner);
+  engine.begin_pass();
+  engine.submit(0);
+  engine.submit(1);
+  runner.gates.open(0);
+  const ReadyJob first = engine.wait_ready(std::chrono::steady_clock::time_point::max());
+  ASSERT_EQ(first.index, 0u);
+  runner.entered.wait_for(2);  // worker 1 is inside batch 1
+  try {
+    engine.wait_ready();
+    FAIL() << "no timeout";
+  } catch (const conveyor::TimeoutError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("waiting for batch 1 (worker 1 has been on it for"), std::string::npos) << message;
+  }
+  runner.clear(first.slot);
+  engine.release(first);
+  runner.gates.open_all();
+  EXPECT_EQ(collect(engine, runner, 1, nullptr, /*patient=*/true), (std::vector<uint64_t>{1}));
+}
+
 TEST(Engine, TimeoutMessagesNameTheirSubjectAndJobs) {
   GatedRunner runner(1, 1);
   EngineConfig c = config(1, 1, true);

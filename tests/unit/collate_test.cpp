@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <conveyor/buffer.h>
 #include <conveyor/collate.h>
 
 #include <array>
@@ -206,6 +207,24 @@ TEST(DefaultConvert, PassesSamplesThrough) {
   const conveyor::DefaultConvert convert;
   EXPECT_EQ(convert(std::string("x")), "x");
   EXPECT_EQ(conveyor::default_convert(5), 5);
+}
+
+// Sizes no allocation can hold are refused, naming the size: above
+// SIZE_MAX - 63, libstdc++'s aligned new rounded the size up past zero and
+// returned a block of a few bytes (an Array of INT64_MAX x 2 bytes got 24).
+TEST(ArrayShape, ASizeBeyondAnyAllocationIsRefused) {
+  for (const size_t bytes : {SIZE_MAX, SIZE_MAX - 1, SIZE_MAX - 63, static_cast<size_t>(PTRDIFF_MAX) + 1}) {
+    try {
+      (void)conveyor::allocate_batch_buffer(bytes);
+      ADD_FAILURE() << bytes << " bytes were allocated";
+    } catch (const conveyor::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(bytes) + " bytes is more than one allocation can hold"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(conveyor::Array<uint8_t>(std::vector<int64_t>{INT64_MAX, 2}), conveyor::ValueError);
+  EXPECT_THROW(conveyor::Array<uint8_t>(std::vector<int64_t>{INT64_MAX, 1, 2}), conveyor::ValueError);
 }
 
 TEST(ArrayShape, AScalarHasOneElementAndRoomForIt) {

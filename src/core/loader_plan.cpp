@@ -88,12 +88,6 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize 
   if (options.timeout < 0 || std::isnan(options.timeout)) {
     throw ValueError("timeout option should be non-negative");
   }
-  if (options.num_workers == 0 && options.timeout > 0) {
-    // PyTorch asserts timeout == 0 when its single-process iterator starts.
-    throw ValueError("timeout option (" + std::to_string(options.timeout) +
-                     ") needs num_workers > 0: without workers, next() makes the batch itself and has no one to "
-                     "wait for; set timeout=0 or num_workers > 0");
-  }
   if (options.num_workers == 0 && options.prefetch_factor != 2) {
     throw ValueError(
         "prefetch_factor option could only be specified in multiprocessing.let num_workers > 0 "
@@ -151,17 +145,6 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize 
     throw ValueError(
         "batch_size=None option disables auto-batching and is mutually exclusive with drop_last");
   }
-  if (options.prefetch_to_device < 0 || static_cast<size_t>(options.prefetch_to_device) > kMaxWindow) {
-    throw ValueError("prefetch_to_device option should be in [0, " + std::to_string(kMaxWindow) +
-                     "], but got prefetch_to_device=" + std::to_string(options.prefetch_to_device));
-  }
-  if (options.prefetch_to_device > 0 && !options.pin_memory) {
-    throw ValueError("prefetch_to_device needs pin_memory=True: device copies start from pinned memory");
-  }
-  if (options.generator && options.seed) {
-    throw ValueError("generator and seed options are mutually exclusive: seed=S is shorthand "
-                     "for generator=Generator(S)");
-  }
 
   LoaderPlan plan;
   plan.kind = kind;
@@ -192,6 +175,26 @@ LoaderPlan plan_loader(const LoaderOptions& options, DatasetKind kind, DataSize 
                        std::to_string(batch_size));
     }
     plan.batch_size = static_cast<size_t>(batch_size);
+  }
+
+  // conveyor's own checks, after PyTorch's: options PyTorch would refuse
+  // get PyTorch's message first.
+  if (options.num_workers == 0 && options.timeout > 0) {
+    // PyTorch asserts timeout == 0 when its single-process iterator starts.
+    throw ValueError("timeout option (" + std::to_string(options.timeout) +
+                     ") needs num_workers > 0: without workers, next() makes the batch itself and has no one to "
+                     "wait for; set timeout=0 or num_workers > 0");
+  }
+  if (options.prefetch_to_device < 0 || static_cast<size_t>(options.prefetch_to_device) > kMaxWindow) {
+    throw ValueError("prefetch_to_device option should be in [0, " + std::to_string(kMaxWindow) +
+                     "], but got prefetch_to_device=" + std::to_string(options.prefetch_to_device));
+  }
+  if (options.prefetch_to_device > 0 && !options.pin_memory) {
+    throw ValueError("prefetch_to_device needs pin_memory=True: device copies start from pinned memory");
+  }
+  if (options.generator && options.seed) {
+    throw ValueError("generator and seed options are mutually exclusive: seed=S is shorthand "
+                     "for generator=Generator(S)");
   }
 
   plan.num_workers = static_cast<size_t>(options.num_workers);

@@ -353,7 +353,12 @@ void load_generator_state(std::optional<Generator>& generator, const State& stat
                      " a generator of its own, and this one has " + (generator ? "one" : "none"));
   }
   const std::string& text = saved->as_string("generator");
-  generator->set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  try {
+    generator->set_state(std::span(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  } catch (const ValueError& error) {  // set_state parses into a copy: the generator is as it was
+    throw StateError("load_state_dict: the " + sampler + "'s 'generator' is not a generator's state: " +
+                     error.what());
+  }
 }
 }  // namespace
 

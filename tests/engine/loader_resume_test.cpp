@@ -572,6 +572,23 @@ TEST(LoaderResume, AStateLoadsOnlyWhereItsGeneratorsAre) {
   bad.set("start", std::move(start));
   const std::string message = error_of([&] { own.load_state_dict(bad); });
   EXPECT_NE(message.find("'start.generator' is not a generator's state"), std::string::npos) << message;
+
+  // So is the sampler's own generator text: a StateError naming it (it was a
+  // bare ValueError from Generator::set_state).
+  State bad_sampler = own.state_dict();
+  State sampler_start = bad_sampler.at("start");
+  State sampler = sampler_start.at("sampler");
+  ASSERT_NE(sampler.find("generator"), nullptr) << bad_sampler.to_json();
+  sampler.set("generator", "not a generator");
+  sampler_start.set("sampler", std::move(sampler));
+  bad_sampler.set("start", std::move(sampler_start));
+  try {
+    own.load_state_dict(bad_sampler);
+    ADD_FAILURE() << "a broken sampler generator was loaded";
+  } catch (const StateError& e) {
+    EXPECT_NE(std::string(e.what()).find("RandomSampler's 'generator' is not a generator's state"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(LoaderResume, IterableDatasetsRefuseAnotherWorkerCount) {

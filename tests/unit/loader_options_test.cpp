@@ -164,4 +164,30 @@ TEST(LoaderOptions, ConveyorOwnMistakesNameTheBadValue) {
   EXPECT_NO_THROW(conveyor::DataLoader(ds, {.num_workers = 1, .timeout = 1.5}));
 }
 
+// conveyor's own checks come after PyTorch's: options PyTorch 1.13 refuses
+// get its message (they all got the timeout's, checked first).
+TEST(LoaderOptions, PyTorchsMessagesComeBeforeConveyorsOwnChecks) {
+  RangeDataset ds(10);
+  conveyor::testing::StridedStream stream(4);
+  const auto message_of = [](auto make) -> std::string {
+    try {
+      make();
+    } catch (const conveyor::ValueError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(message_of([&] { conveyor::DataLoader l(ds, {.prefetch_factor = 3, .timeout = 5}); }),
+            "prefetch_factor option could only be specified in multiprocessing.let num_workers > 0 to enable "
+            "multiprocessing.");
+  EXPECT_EQ(message_of([&] { conveyor::DataLoader l(ds, {.persistent_workers = true, .timeout = 5}); }),
+            "persistent_workers option needs num_workers > 0");
+  EXPECT_EQ(message_of([&] { conveyor::DataLoader l(stream, {.shuffle = true, .timeout = 5}); }),
+            "DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle=True");
+  EXPECT_EQ(message_of([&] { conveyor::DataLoader l(ds, {.batch_size = 0, .timeout = 5}); }),
+            "batch_size should be a positive integer value, but got batch_size=0");
+  EXPECT_EQ(message_of([&] { conveyor::DataLoader l(ds, {.batch_size = 0, .generator = conveyor::Generator(1), .seed = 1}); }),
+            "batch_size should be a positive integer value, but got batch_size=0");
+}
+
 }  // namespace

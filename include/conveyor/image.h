@@ -65,7 +65,12 @@ struct ImageInfo {
 // 178,956,970, so conveyor decodes what Pillow opens and refuses what it
 // refuses. Decoding at the limit costs 512 MiB of RGB output (and as much
 // again of scratch memory for colour conversion, a third more for a CMYK or
-// YCCK JPEG).
+// YCCK JPEG). A progressive JPEG also holds the whole image's DCT
+// coefficients while it decodes, 2 bytes a sample of each component (6 a
+// pixel for full-resolution colour, 8 for CMYK): about 1 GiB more at the
+// limit, taken as soon as the header is read, so a small file claiming a
+// large progressive image costs that much before it fails. Lower the limit
+// where that is too much.
 inline constexpr uint64_t kDefaultMaxImagePixels = 178'956'970;
 void set_max_image_pixels(uint64_t pixels) noexcept;
 uint64_t max_image_pixels() noexcept;

@@ -9,9 +9,10 @@
 #include <turbojpeg.h>
 
 #include <algorithm>
-#include <atomic>
 #include <array>
+#include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <iterator>
@@ -498,10 +499,65 @@ std::vector<uint8_t> without_unused_chunks(std::span<const uint8_t> png) {
   return stripped;
 }
 
+uint64_t big_endian_32(const uint8_t* bytes) {
+  return uint64_t{bytes[0]} << 24 | uint64_t{bytes[1]} << 16 | uint64_t{bytes[2]} << 8 | bytes[3];
+}
+
+// The most IDAT bytes an encoder writes for the image its IHDR describes
+// (the file's first chunk, which libpng has checked): its filtered rows
+// (those of every Adam7 pass when interlaced) stored uncompressed in
+// blocks of 320 bytes or more, a flush after every row, and 4 KiB to
+// spare. More is compressed data past the image's end, which libpng's
+// simplified API inflates to its end only to warn of it: 1 GiB of zeros
+// behind a 1x1 image, 1 MB of file, took 4 s. In double: at the pixel
+// limit's largest settings the counts pass 2^64.
+double max_idat_bytes(std::span<const uint8_t> png) {
+  const uint8_t* ihdr = png.data() + sizeof kPngMagic + 8;
+  const double width = static_cast<double>(big_endian_32(ihdr));
+  const double height = static_cast<double>(big_endian_32(ihdr + 4));
+  const unsigned depth = ihdr[8], color_type = ihdr[9];
+  const bool interlaced = ihdr[12] != 0;
+  const unsigned channels = color_type == 2 ? 3 : color_type == 4 ? 2 : color_type == 6 ? 4 : 1;
+  const double bits_per_pixel = channels * depth;
+  double raw = 0, rows = 0;
+  const auto add_pass = [&](double columns, double pass_rows) {
+    if (columns <= 0 || pass_rows <= 0) return;
+    raw += pass_rows * (1 + std::ceil(columns * bits_per_pixel / 8));
+    rows += pass_rows;
+  };
+  if (!interlaced) {
+    add_pass(width, height);
+  } else {
+    // Adam7: each pass's first column and row, and its steps.
+    constexpr int kX0[] = {0, 4, 0, 2, 0, 1, 0}, kDx[] = {8, 8, 4, 4, 2, 2, 1};
+    constexpr int kY0[] = {0, 0, 4, 0, 2, 0, 1}, kDy[] = {8, 8, 8, 4, 4, 2, 2};
+    for (int pass = 0; pass < 7; ++pass) {
+      add_pass(std::ceil((width - kX0[pass]) / kDx[pass]), std::ceil((height - kY0[pass]) / kDy[pass]));
+    }
+  }
+  return raw + raw / 64 + 16 * rows + 4096;
+}
+
+// The IDAT chunks' bytes together, up to IEND or the first malformed chunk
+// (libpng reports that one).
+uint64_t idat_bytes(std::span<const uint8_t> png) {
+  uint64_t total = 0;
+  size_t at = sizeof kPngMagic;
+  while (at + 12 <= png.size()) {
+    const uint64_t length = big_endian_32(png.data() + at);
+    if (length > png.size() - at - 12) break;
+    const uint8_t* type = png.data() + at + 4;
+    if (std::memcmp(type, "IEND", 4) == 0) break;
+    if (std::memcmp(type, "IDAT", 4) == 0) total += length;
+    at += 12 + static_cast<size_t>(length);
+  }
+  return total;
+}
+
 class PngDecoder {
  public:
   PngDecoder(std::span<const uint8_t> bytes, const ImageSource& source)
-      : stripped_(without_unused_chunks(bytes)), source_(source) {
+      : bytes_(bytes), stripped_(without_unused_chunks(bytes)), source_(source) {
     // libpng reads the pixels from this memory again in finish_read.
     const std::span<const uint8_t> file = stripped_.empty() ? bytes : stripped_;
     if (png_image_begin_read_from_memory(png_.get(), file.data(), file.size()) == 0) {
@@ -522,6 +578,14 @@ class PngDecoder {
   // as PIL's convert("RGB") and torchvision's decode_png drop it; libpng
   // returns 8-bit colour with straight, not premultiplied, alpha.
   void decode_into(std::span<uint8_t> out, int out_channels) {
+    const uint64_t image_data = idat_bytes(bytes_);
+    const double most = max_idat_bytes(bytes_);
+    if (static_cast<double>(image_data) > most) {
+      throw source_.error("the PNG holds " + std::to_string(image_data) + " bytes of image data (IDAT), more than a " +
+                          std::to_string(info_.width) + "x" + std::to_string(info_.height) +
+                          " image needs (at most " + std::to_string(static_cast<uint64_t>(most)) +
+                          "): compressed data past the image's end is refused, not inflated");
+    }
     const size_t pixels = pixel_count(info_);
     if (info_.channels == 1 && !has_alpha_) {
       finish(out.data(), PNG_FORMAT_GRAY);
@@ -558,6 +622,7 @@ class PngDecoder {
     }
   }
 
+  std::span<const uint8_t> bytes_;
   std::vector<uint8_t> stripped_;
   PngImage png_;
   const ImageSource& source_;

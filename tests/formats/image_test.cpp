@@ -552,6 +552,26 @@ std::vector<uint8_t> png_claiming(uint32_t width, uint32_t height) {
   return png;
 }
 
+// A 1x1 grey PNG whose one IDAT deflates the row (filter byte, value 77)
+// followed by `trailing` zero bytes.
+std::vector<uint8_t> one_pixel_png_with_trailing_data(size_t trailing) {
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  std::vector<uint8_t> header;
+  append_big_endian(header, 1);
+  append_big_endian(header, 1);
+  header.insert(header.end(), {8, 0, 0, 0, 0});  // 8 bits, grey, deflate, adaptive, progressive
+  append_png_chunk(png, "IHDR", header);
+  std::vector<uint8_t> raw(2 + trailing, 0);
+  raw[1] = 77;
+  uLongf zipped_size = compressBound(raw.size());
+  std::vector<uint8_t> zipped(zipped_size);
+  EXPECT_EQ(compress2(zipped.data(), &zipped_size, raw.data(), raw.size(), 9), Z_OK);
+  zipped.resize(zipped_size);
+  append_png_chunk(png, "IDAT", zipped);
+  append_png_chunk(png, "IEND", {});
+  return png;
+}
+
 // Sets the process-wide pixel limit for one scope, then restores it.
 class ScopedMaxImagePixels {
  public:
@@ -725,6 +745,25 @@ TEST(JpegDecode, MatchesPil) {
     // it agrees exactly; CMYK -> RGB and HWC -> CHW are conveyor's own.
     EXPECT_EQ(values_of(decoded), planar(c.pixels.data(), c.channels, c.height, c.width)) << c.name;
   }
+}
+
+// Compressed data past the image's end is refused, not inflated: a 1x1
+// PNG of 16 KB holding 16 MiB of zeros after its pixel (1 GiB in 1 MB took
+// libpng 4 s to inflate, only to warn of it). A little is still decoded.
+TEST(PngDecode, CompressedDataPastTheImagesEndIsRefusedNotInflated) {
+  const std::vector<uint8_t> bomb = one_pixel_png_with_trailing_data(size_t{16} << 20);
+  ASSERT_LT(bomb.size(), size_t{64} << 10);
+  try {
+    (void)decode_image(bomb, "one-pixel.png");
+    ADD_FAILURE() << "16 MiB of trailing image data was inflated";
+  } catch (const conveyor::DataError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("one-pixel.png"), std::string::npos) << message;
+    EXPECT_NE(message.find("more than a 1x1 image needs"), std::string::npos) << message;
+  }
+  const Array<uint8_t> pixel = decode_image(one_pixel_png_with_trailing_data(100), "one-pixel.png");
+  ASSERT_EQ(pixel.shape(), (std::vector<int64_t>{1, 1, 1}));
+  EXPECT_EQ(pixel[0], 77);
 }
 
 TEST(PngDecode, AlphaIsDroppedAsPilDrops) {

@@ -308,10 +308,11 @@ struct WorkerState {
   int id = 0;
   bool initialized = false;
   std::exception_ptr init_failure;
-  // Shared lane: kInitPending, kInitRunning, kInitDone for this arena
-  // slot's init. Atomic: successive occupants of one slot may be
-  // different threads.
+  // Shared lane: kInitPending, kInitRunning, kInitDone for this worker's
+  // init. Atomic: successive holders of one worker may be different threads.
   std::atomic<int> init_state{kInitPending};
+  // Shared lane: a drain task runs as this worker (see claim_worker()).
+  std::atomic<bool> claimed{false};
 };
 
 // A queue of jobs and the drain tasks that empty it: at most one for a
@@ -343,7 +344,7 @@ struct Shared {
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<SlotClock[]> clocks;
   std::vector<std::unique_ptr<Lane>> lanes;  // one per worker, or one shared
-  std::vector<std::unique_ptr<WorkerState>> slot_workers;  // shared lane, by arena slot
+  std::vector<std::unique_ptr<WorkerState>> slot_workers;  // shared lane: claimed by drain tasks
   moodycamel::ConcurrentQueue<uint32_t> completed;         // !in_order: published slots
 
   // Bumped by cancel(); jobs of older generations are skipped. The consumer's
@@ -426,15 +427,36 @@ struct Shared {
     }
   }
 
-  WorkerState& worker_for(Lane& lane) {
+  // The worker a drain task runs as, for as long as it runs. A lane of its
+  // own: the lane's. The shared lane: one no other drain holds, claimed
+  // here and given back by release_worker() before the drain drops
+  // `drains`. Claims never outnumber drains (at most num_workers), so one
+  // is always free. (The arena slot is no worker: an Executor shared by
+  // several engines puts more threads than this engine's workers in the
+  // arena, and two slots mapped onto one worker ran jobs at once.)
+  WorkerState& claim_worker(Lane& lane) {
     if (config.per_worker_queues) return lane.worker;
-    // The arena slot identifies the worker. TBB may number an arena's slots
-    // beyond max_concurrency (a one-thread arena has two), but never has more
-    // than max_concurrency threads inside; ensure_initialized() tolerates two
-    // slots mapping to one state.
     const int index = tbb::this_task_arena::current_thread_index();
     CONVEYOR_CHECK(index >= 0, "a task ran outside the engine's arena");
-    return *slot_workers[static_cast<size_t>(index) % slot_workers.size()];
+    const size_t count = slot_workers.size();
+    for (size_t start = static_cast<size_t>(index) % count;;) {  // from the slot's own, for locality
+      for (size_t k = 0; k < count; ++k) {
+        WorkerState& worker = *slot_workers[(start + k) % count];
+        bool free = false;
+        // Acquire: pairs with release_worker()'s release, so this drain
+        // sees what the worker's last holder wrote (its init, its failure).
+        // The relaxed look first only spares a CAS on a held worker.
+        if (!worker.claimed.load(std::memory_order_relaxed) &&
+            worker.claimed.compare_exchange_strong(free, true, std::memory_order_acquire)) {
+          return worker;
+        }
+      }
+      cpu_relax();  // a drain giving one back is between its release and its exit
+    }
+  }
+  void release_worker(WorkerState& worker) {
+    if (config.per_worker_queues) return;
+    worker.claimed.store(false, std::memory_order_release);  // pairs with claim_worker()'s acquire
   }
 };
 
@@ -448,6 +470,7 @@ constexpr int kPausesPerPoll = 4;
 
 void drain(Shared& shared, Lane& lane) {
   Job job;
+  WorkerState* worker = &shared.claim_worker(lane);
   while (true) {
     bool found = lane.queue.try_dequeue(job);
     for (int poll = 0; !found && poll < kLingerPolls; ++poll) {
@@ -455,10 +478,11 @@ void drain(Shared& shared, Lane& lane) {
       found = lane.queue.try_dequeue(job);
     }
     if (found) {
-      shared.run_job(job, shared.worker_for(lane), !shared.config.per_worker_queues);
+      shared.run_job(job, *worker, !shared.config.per_worker_queues);
       continue;
     }
     // Leave, unless a job slipped in after the last look (see Lane).
+    shared.release_worker(*worker);  // before `drains` drops: claims never outnumber drains
     // Release: hands the lane's WorkerState to the next drain's acquire.
     lane.drains.fetch_sub(1, std::memory_order_acq_rel);
     std::atomic_thread_fence(std::memory_order_seq_cst);  // (D1) pairs with (E1)
@@ -468,6 +492,7 @@ void drain(Shared& shared, Lane& lane) {
       if (running >= lane.max_drains) return;  // others will take it
       if (lane.drains.compare_exchange_weak(running, running + 1, std::memory_order_acq_rel)) break;
     }
+    worker = &shared.claim_worker(lane);
   }
 }
 

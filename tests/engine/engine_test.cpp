@@ -2,6 +2,7 @@
 // cancellation. Orders are forced with gates (atomic waits), never sleeps.
 #include <gtest/gtest.h>
 
+#include <conveyor/detail/cpu_relax.h>
 #include <conveyor/detail/engine.h>
 #include <conveyor/detail/seeds.h>
 #include <conveyor/detail/sequenced_window.h>
@@ -292,6 +293,62 @@ TEST(Executor, EnginesShareItsArenaAndItRefusesReservationsOnceStarted) {
   runner_b.gates.open_all();
   EXPECT_EQ(collect(a, runner_a, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
   EXPECT_EQ(collect(b, runner_b, 4), (std::vector<uint64_t>{0, 1, 2, 3}));
+}
+
+// Counts jobs that ran as a worker another thread was running as.
+class OverlapRunner final : public conveyor::detail::TaskRunner {
+ public:
+  explicit OverlapRunner(size_t workers) : busy(workers) {}
+  void init_worker(int worker) override {
+    if (worker < 0 || static_cast<size_t>(worker) >= busy.size()) out_of_range.fetch_add(1);
+  }
+  void run(Job&, int worker, const std::exception_ptr&) noexcept override {
+    if (worker < 0 || static_cast<size_t>(worker) >= busy.size()) {
+      out_of_range.fetch_add(1);
+      return;
+    }
+    if (busy[static_cast<size_t>(worker)].fetch_add(1) != 0) overlaps.fetch_add(1);
+    for (int spin = 0; spin < 2000; ++spin) conveyor::detail::cpu_relax();  // holds the worker a while
+    busy[static_cast<size_t>(worker)].fetch_sub(1);
+  }
+  void clear(uint32_t) noexcept override {}
+
+  std::vector<std::atomic<int>> busy;
+  std::atomic<int> overlaps{0}, out_of_range{0};
+};
+
+// On an Executor shared by two engines the arena holds four threads; each
+// engine's shared lane runs as its two workers, never one worker on two
+// threads at once (arena slots 0 and 2 were both worker 0: thousands of
+// overlaps in 3 runs of 7).
+TEST(Executor, OnASharedArenaASharedLanesWorkersNeverRunTwice) {
+  auto executor = std::make_shared<conveyor::detail::Executor>();
+  ASSERT_TRUE(executor->reserve(2));
+  ASSERT_TRUE(executor->reserve(2));
+  OverlapRunner runner_a(2), runner_b(2);
+  EngineConfig shared_lane = config(2, 8, false);
+  shared_lane.per_worker_queues = false;
+  Engine a(shared_lane, runner_a, executor), b(shared_lane, runner_b, executor);
+  const auto drive = [](Engine& engine) {
+    for (int pass = 0; pass < 20; ++pass) {
+      engine.begin_pass();
+      size_t submitted = 0, taken = 0;
+      while (taken < 200) {
+        while (submitted < 200 && engine.has_room()) {
+          engine.submit(-1);
+          ++submitted;
+        }
+        engine.release(engine.wait_ready());
+        ++taken;
+      }
+    }
+  };
+  std::thread other([&] { drive(b); });
+  drive(a);
+  other.join();
+  EXPECT_EQ(runner_a.overlaps.load(), 0);
+  EXPECT_EQ(runner_b.overlaps.load(), 0);
+  EXPECT_EQ(runner_a.out_of_range.load() + runner_b.out_of_range.load(), 0);
 }
 
 TEST(Seeds, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {

@@ -53,9 +53,10 @@ class TaskRunner {
   virtual void init_worker(int worker) = 0;
   // Produces the result of `job` into the storage for job.slot, or records
   // why it could not (`init_failure`: the worker's init threw). `worker` is
-  // the job's lane with per-lane queues; on the shared lane, the worker
-  // whose arena slot the thread holds (a thread's jobs never overlap, but
-  // two threads may take turns as one worker). Must not throw.
+  // the job's lane with per-lane queues; on the shared lane, a worker no
+  // other thread runs as meanwhile, also on an Executor shared by several
+  // engines (a worker's jobs never overlap, but two threads may take turns
+  // as one worker). Must not throw.
   virtual void run(Job& job, int worker, const std::exception_ptr& init_failure) noexcept = 0;
   // Drops whatever is held for `slot` (a cancelled pass's leftovers).
   virtual void clear(uint32_t slot) noexcept = 0;

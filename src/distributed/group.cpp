@@ -181,6 +181,8 @@ struct Group::Impl {
     throw DistributedError(text, std::move(lost), timed_out);
   }
 
+  static std::string seen_rank_0_key(int rank) { return "conveyor/seen-rank-0/" + std::to_string(rank); }
+
   // Every rank announces itself and its WORLD_SIZE; a missing or mismatched
   // one is named here rather than left to hang in Gloo's connect.
   void join() {
@@ -195,6 +197,11 @@ struct Group::Impl {
       // Rank 0's first: a WORLD_SIZE of our own that differs is the likelier
       // mistake than a rank that never came.
       std::vector<uint8_t> zero = store->get("conveyor/rank/0");
+      // Said before this rank raises a mismatch: rank 0 (the store's host
+      // under a plain launch) waits for it before raising its own, so its
+      // exit cannot cut this read short ("Broken pipe" instead of the
+      // mismatch, seen on a loaded machine).
+      store->set(seen_rank_0_key(env.rank), std::vector<uint8_t>{1});
       if (std::string(zero.begin(), zero.end()) != size) {
         throw ValueError("conveyor::distributed: WORLD_SIZE=" + size + " on " + where(env) +
                          " but WORLD_SIZE=" + std::string(zero.begin(), zero.end()) +
@@ -243,6 +250,13 @@ struct Group::Impl {
                           {}, looks_like_timeout(error));
       }
       if (std::string(theirs.begin(), theirs.end()) != size) {
+        if (env.rank == 0) {
+          try {
+            store->wait({seen_rank_0_key(rank)}, timeout);
+          } catch (const std::exception&) {
+            // It never read rank 0's WORLD_SIZE: its own error says why.
+          }
+        }
         throw ValueError("conveyor::distributed: WORLD_SIZE=" + size + " on " + where(env) +
                          " but WORLD_SIZE=" + std::string(theirs.begin(), theirs.end()) + " on rank " +
                          std::to_string(rank));

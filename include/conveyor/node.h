@@ -291,14 +291,18 @@ class Pipeline {
 
   // Every node's metrics for the current (or last) pass, sources first.
   std::vector<NodeMetrics> metrics() const {
+    check_not_moved_from("metrics");
     std::vector<NodeMetrics> out;
     node_->collect_metrics(out);
     return out;
   }
 
   // One pass, as a range: for (auto& item : pipeline.pass()) ...
+  // A new pass resets the nodes: a Pass of this pipeline still alive then
+  // throws ValueError on its next use instead of reading the new pass.
   class Pass;
   Pass pass() {
+    check_not_moved_from("pass");
     if (resume_ && resume_->epoch != epoch_) {
       throw StateError("this pipeline resumes pass " + std::to_string(resume_->epoch) +
                        " (load_state), but set_epoch(" + std::to_string(epoch_) + ") asked for another");
@@ -322,6 +326,7 @@ class Pipeline {
         if (!accepted) pipeline.resume_ = std::move(resume);
       }
     } refused{*this, resume};
+    if (progress_ && progress_->live) progress_->superseded = true;
     node_->reset(context, walk);
     if (!walk.sharded && context.shard.count() > 1) {
       throw ValueError("pipeline: the pass runs as rank " + std::to_string(context.shard.rank) + " of " +
@@ -357,6 +362,7 @@ class Pipeline {
   // not, then the passes after it. The fingerprint holds the graph's shape
   // (its nodes' names, sources first), the seed and the shard.
   State state() const {
+    check_not_moved_from("state");
     // A loaded state whose pass has not begun is the next pass: saved
     // again, it must resume where it does (reporting the last pass, or a
     // fresh one, handed its items out twice), under the fingerprint it was
@@ -383,6 +389,7 @@ class Pipeline {
   // Throws StateError for a state of another kind or version, or whose
   // fingerprint differs (naming the field).
   void load_state(const State& state) {
+    check_not_moved_from("load_state");
     check_state_envelope(state, "conveyor.Pipeline", fingerprint(), "load_state");
     Resume resume;
     resume.saved = state_envelope("conveyor.Pipeline", state.at("fingerprint"));
@@ -409,7 +416,15 @@ class Pipeline {
     uint64_t errors = 0;
     bool ended = false;
     bool live = true;  // its Pass exists
+    bool superseded = false;  // a later pass() reset the nodes under it
   };
+  void check_not_moved_from(const char* function) const {
+    if (!node_) {
+      throw ValueError(std::string("pipeline: ") + function +
+                       "() on a pipeline that was moved from (into `| adaptor`, or by release()): use the pipeline "
+                       "it was moved into");
+    }
+  }
   struct Resume {
     State saved;  // the state's envelope and fingerprint, for pass()
     uint64_t epoch = 0;
@@ -522,6 +537,7 @@ class Pipeline<T>::Pass {
   // The blocking and non-blocking next of the pass's last node.
   std::optional<T> next() { return counted_next(node_, *progress_); }
   Poll try_next(std::optional<T>& out) {
+    check_current(*progress_);
     Poll poll = Poll::pending;
     try {
       poll = node_.try_next(out);
@@ -541,7 +557,14 @@ class Pipeline<T>::Pass {
  private:
   friend class Pipeline;
   Pass(Node<T>& node, std::shared_ptr<PassProgress> progress) : node_(node), progress_(std::move(progress)) {}
+  static void check_current(const PassProgress& progress) {
+    if (progress.superseded) {
+      throw ValueError("pipeline: this pass was replaced by a later pass() of its pipeline, which reset the nodes "
+                       "under it; take items from the new pass");
+    }
+  }
   static std::optional<T> counted_next(Node<T>& node, PassProgress& progress) {
+    check_current(progress);
     std::optional<T> item;
     try {
       item = node.next();

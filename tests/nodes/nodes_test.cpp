@@ -102,6 +102,99 @@ std::vector<int64_t> iota(int64_t n) {
   return v;
 }
 
+// A new pass() resets the nodes an older Pass still reads: that Pass
+// throws on its next use (both passes pulled from one stream, each losing
+// items to the other, and state() counted only the new one's).
+TEST(PipelineContract, APassReplacedByALaterOneThrowsInsteadOfSharingItsStream) {
+  auto pipeline = nodes::from_vector(std::vector<int>{0, 1, 2, 3, 4, 5});
+  auto first = pipeline.pass();
+  EXPECT_EQ(first.next(), 0);
+  auto second = pipeline.pass();
+  EXPECT_EQ(second.next(), 0);
+  EXPECT_THROW((void)first.next(), conveyor::ValueError);
+  std::optional<int> out;
+  EXPECT_THROW((void)first.try_next(out), conveyor::ValueError);
+  EXPECT_THROW((void)first.begin(), conveyor::ValueError);
+  std::vector<int> rest;
+  while (auto item = second.next()) rest.push_back(*item);
+  EXPECT_EQ(rest, (std::vector<int>{1, 2, 3, 4, 5}));
+
+  // So after load_state: the pass it resumes replaces the one alive.
+  auto third = pipeline.pass();
+  EXPECT_EQ(third.next(), 0);
+  EXPECT_EQ(third.next(), 1);
+  const State saved = pipeline.state();
+  pipeline.load_state(saved);
+  auto resumed = pipeline.pass();
+  EXPECT_THROW((void)third.next(), conveyor::ValueError);
+  EXPECT_EQ(resumed.next(), 2);
+}
+
+// A pipeline moved into `| adaptor` is empty: using it is a clear error
+// (it was a null dereference).
+TEST(PipelineContract, AMovedFromPipelineSaysSoInsteadOfCrashing) {
+  auto source = nodes::from_vector(std::vector<int>{0, 1, 2});
+  auto longer = std::move(source) | nodes::map([](int x) { return x; });
+  for (const auto& use : std::vector<std::function<void()>>{[&] { (void)source.pass(); },
+                                                            [&] { (void)source.state(); },
+                                                            [&] { (void)source.metrics(); },
+                                                            [&] { source.load_state(longer.state()); }}) {
+    try {
+      use();
+      ADD_FAILURE() << "a moved-from pipeline was used";
+    } catch (const conveyor::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("moved from"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(one_pass(longer), (std::vector<int>{0, 1, 2}));
+}
+
+// Five items; `fail` 1: iter() throws, 2: the iterator's skip() throws.
+struct FailingOnResume final : conveyor::IterableDataset<int64_t> {
+  struct Iterator final : conveyor::SampleIterator<int64_t> {
+    explicit Iterator(const FailingOnResume& owner) : owner(owner) {}
+    std::optional<int64_t> next() override { return next_value < 5 ? std::optional<int64_t>(next_value++) : std::nullopt; }
+    uint64_t skip(uint64_t count) override {
+      if (owner.fail == 2) throw std::runtime_error("read failed");
+      return conveyor::SampleIterator<int64_t>::skip(count);
+    }
+    const FailingOnResume& owner;
+    int64_t next_value = 0;
+  };
+  std::unique_ptr<conveyor::SampleIterator<int64_t>> iter(const conveyor::WorkerInfo*) override {
+    if (fail == 1) throw std::runtime_error("open failed");
+    return std::make_unique<Iterator>(*this);
+  }
+  int fail = 0;
+};
+
+// A resumed from_iterable's replay fails as its passes do: a NodeError
+// naming the node and the item (it was the dataset's bare exception).
+TEST(Sources, AnIterableSourceFailingAsItResumesNamesItselfAndTheItem) {
+  auto dataset = std::make_shared<FailingOnResume>();
+  auto pipeline = nodes::from_iterable(dataset);
+  State saved;
+  {
+    auto pass = pipeline.pass();
+    (void)pass.next();
+    (void)pass.next();
+    saved = pipeline.state();
+  }
+  for (const int fail : {1, 2}) {
+    dataset->fail = fail;
+    auto resumed = nodes::from_iterable(dataset);
+    resumed.load_state(saved);
+    try {
+      (void)resumed.pass();
+      ADD_FAILURE() << "the resume did not fail (mode " << fail << ")";
+    } catch (const conveyor::NodeError& e) {
+      EXPECT_NE(std::string(e.what()).find("'from_iterable' at item 0"), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "mode " << fail << ": not a NodeError: " << e.what();
+    }
+  }
+}
+
 TEST(Sources, VectorAndRangeGiveTheirItemsEveryPass) {
   auto vector = nodes::from_vector(std::vector<std::string>{"a", "b", "c"});
   EXPECT_EQ(one_pass(vector), (std::vector<std::string>{"a", "b", "c"}));

@@ -445,12 +445,16 @@ class IterableSource final : public Source<sample_t<D>> {
   // seed, so that a skip that reads and draws draws what the pass drew.
   uint64_t skip(uint64_t count, bool clean) override {
     if (!clean) return Source<T>::skip(count, clean);
-    open();
-    if (!stream_) return 0;
     uint64_t skipped = 0;
-    for (; skipped < count; ++skipped, ++position_) {
-      const conveyor::detail::WorkerScope scope(nullptr, item_seed_now());
-      if (stream_->skip(1) == 0) break;
+    try {  // a failure names this node and the item, as in produce()
+      open();
+      if (!stream_) return 0;
+      for (; skipped < count; ++skipped, ++position_) {
+        const conveyor::detail::WorkerScope scope(nullptr, item_seed_now());
+        if (stream_->skip(1) == 0) break;
+      }
+    } catch (...) {
+      conveyor::detail::throw_node_error(name(), position_);
     }
     return skipped;
   }

@@ -8,12 +8,14 @@
 #include <cfloat>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -514,6 +516,42 @@ TEST(Combine, AForkConsumerWithAnotherSeedOrEpochIsRefusedOnJoining) {
 // A consumer whose pipeline is destroyed mid-pass no longer holds the
 // others back. Before, it stayed "the slowest" and, once the buffer was
 // full, every call of the other consumer was an overflow error for ever.
+// A consumer's try_next() never waits on another thread: while the other
+// consumer's pull is inside a slow upstream item (under the fork's lock),
+// it answers "not yet" at once, and takes its item once the pull is done
+// (it waited for the whole pull).
+TEST(Combine, AForkConsumersTryNextDoesNotWaitForAnotherConsumersPull) {
+  conveyor::testing::Gates gates(1);
+  conveyor::testing::Counter entered;
+  auto outputs = nodes::fork(nodes::from_range(0, 10) | nodes::map([&](int64_t x) {
+                               if (x == 2) {
+                                 entered.bump();
+                                 gates.wait(0);
+                               }
+                               return x;
+                             }),
+                             2, 8);
+  auto first = outputs[0].pass();
+  auto second = outputs[1].pass();
+  ASSERT_EQ(first.next(), 0);
+  ASSERT_EQ(first.next(), 1);
+  ASSERT_EQ(second.next(), 0);
+  std::thread puller([&] { EXPECT_EQ(first.next(), 2); });
+  entered.wait_for(1);  // the puller is inside item 2, holding the fork
+  auto poll = std::async(std::launch::async, [&] {
+    std::optional<int64_t> item;
+    return std::pair(second.try_next(item), item);
+  });
+  const bool answered = poll.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  gates.open(0);
+  puller.join();
+  ASSERT_TRUE(answered) << "try_next waited for the other consumer's upstream pull";
+  EXPECT_EQ(poll.get().first, conveyor::Poll::pending);
+  std::optional<int64_t> item;
+  EXPECT_EQ(second.try_next(item), conveyor::Poll::ready);
+  EXPECT_EQ(item, 1);
+}
+
 TEST(Combine, AForkConsumerDestroyedMidPassLeavesTheOthersFree) {
   auto outputs = nodes::fork(nodes::from_range(0, 20), 2, 4);
   Pipeline<int64_t> kept = std::move(outputs[0]);

@@ -770,8 +770,17 @@ class ForkState {
 
   // `polling`: a consumer's try_next(): upstream's try_next() is asked, and
   // "not yet" leaves everything as it was (UpstreamPending).
+  // Polling never waits on the mutex: another consumer may hold it across
+  // a slow upstream pull, and try_next() must not wait on another thread.
+  // "Not yet" then, even with this consumer's item buffered: its next
+  // poll takes it.
   std::optional<T> next(size_t consumer, bool polling = false) {
-    const std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_, std::defer_lock);
+    if (!polling) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      throw detail::UpstreamPending{};
+    }
     return take(consumer, polling);
   }
 

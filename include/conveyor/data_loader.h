@@ -23,6 +23,7 @@
 #include <concepts>
 #include <cstddef>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -690,6 +691,13 @@ class DataLoader {
                          std::to_string(position.lanes[lane].prefix) + ") batches of " + std::to_string(wanted) +
                          " samples are more samples than a replica can pass over (2^64)");
       }
+    }
+    // A worker's next batch after one received out of turn is that batch +
+    // num_workers: a number that wraps would seed another batch's draws.
+    if (!position.batches.beyond.empty() &&
+        position.batches.beyond.back() > std::numeric_limits<uint64_t>::max() - plan.num_workers) {
+      throw StateError("load_state_dict: 'beyond' lists batch " + std::to_string(position.batches.beyond.back()) +
+                       ", past any epoch (batches are counted in 64 bits)");
     }
     const size_t generators = plan.scheduling == Scheduling::round_robin ? lanes : 0;
     if (position.generators.size() > generators) {

@@ -107,8 +107,19 @@ class Parser {
     if (literal("true")) return State(true);
     if (literal("false")) return State(false);
     if (literal("null")) return State();
+    if (literal("NaN")) return State(std::numeric_limits<double>::quiet_NaN());
+    if (literal("Infinity")) return State(std::numeric_limits<double>::infinity());
+    if (literal("-Infinity")) return State(-std::numeric_limits<double>::infinity());
     if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
-    fail(std::string("unexpected character '") + c + "'");
+    fail("unexpected character " + printable(c));
+  }
+  // A byte as a message can show it: a NUL would end the message there.
+  static std::string printable(char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7F) return std::string("'") + c + "'";
+    char text[8];
+    std::snprintf(text, sizeof text, "\\x%02X", byte);
+    return text;
   }
 
   State parse_object(int depth) {
@@ -195,7 +206,7 @@ class Parser {
         case 'r': out += '\r'; break;
         case 't': out += '\t'; break;
         case 'u': append_code_point(out); break;
-        default: fail(std::string("an unknown escape '\\") + escaped + "'");
+        default: fail("an unknown escape after '\\': " + printable(escaped));
       }
     }
   }
@@ -512,7 +523,11 @@ std::string State::to_json() const {
   if (const auto* value = std::get_if<int64_t>(&value_)) return std::to_string(*value);
   if (const auto* value = std::get_if<uint64_t>(&value_)) return std::to_string(*value);
   if (const auto* value = std::get_if<double>(&value_)) {
-    if (!std::isfinite(*value)) return "null";  // JSON has no inf or NaN
+    // JSON has no inf or NaN: written as Python's json module writes them
+    // (and from_json reads them), so a state round-trips whatever it holds
+    // (a diverged run's loss was written as null, and never read back).
+    if (std::isnan(*value)) return "NaN";
+    if (std::isinf(*value)) return *value > 0 ? "Infinity" : "-Infinity";
     // to_chars: the shortest text that reads back the same, in every locale.
     char text[64];
     const auto [end, error] = std::to_chars(text, text + sizeof text, *value);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <random>
 #include <set>
@@ -788,6 +789,25 @@ TEST(LoaderResume, AMapStylePositionPastTheEpochIsRefused) {
   EXPECT_NE(last(got).find("'batches.beyond' lists batch 9223372036854775808, past the end of the epoch"),
             std::string::npos)
       << last(got);
+
+  // Near 2^64, a worker's next batch after one received out of turn
+  // (beyond + num_workers) wrapped onto batch 1 and re-seeded its draws:
+  // refused at load.
+  const LoaderOptions with_workers{.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 5};
+  Loader worker_saver(dataset, with_workers);
+  auto worker_epoch = worker_saver.iter();
+  (void)worker_epoch.next();
+  State near_end = edited(worker_saver.state_dict(), {"epoch", "received"}, uint64_t{2});
+  near_end = edited(near_end, {"epoch", "batches", "beyond"}, State::list({std::numeric_limits<uint64_t>::max()}));
+  State generator = State::object();
+  generator.set("seed", uint64_t{123});
+  generator.set("draws", uint64_t{7});
+  State generators = State::array();
+  generators.push_back(generator);
+  near_end = edited(near_end, {"epoch", "batches", "beyond_generators"}, generators);
+  Loader wrapped(dataset, with_workers);
+  const std::string wrap = error_of([&] { wrapped.load_state_dict(near_end); });
+  EXPECT_NE(wrap.find("'beyond' lists batch 18446744073709551615, past any epoch"), std::string::npos) << wrap;
 
   // 'received' counts the batches in 'prefix' and 'beyond'.
   Loader miscounted(dataset, options);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <clocale>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -63,6 +64,35 @@ TEST(State, RefusesMalformedAndHostileText) {
     FAIL() << "a 100000-deep array was accepted";
   } catch (const StateError& error) {
     EXPECT_NE(std::string(error.what()).find("deeper than 64"), std::string::npos) << error.what();
+  }
+}
+
+// JSON has no inf or NaN: they are written as Python's json module writes
+// them and read back (they were written as null, and a diverged run's
+// checkpoint could never be loaded). A bad byte is shown, not embedded:
+// a NUL ended the message.
+TEST(State, NonFiniteDoublesRoundTripAndBadBytesAreShownInMessages) {
+  State state = State::object();
+  state.set("up", std::numeric_limits<double>::infinity());
+  state.set("down", -std::numeric_limits<double>::infinity());
+  state.set("lost", std::numeric_limits<double>::quiet_NaN());
+  const std::string text = state.to_json();
+  EXPECT_EQ(text, R"({"up":Infinity,"down":-Infinity,"lost":NaN})");
+  const State back = State::from_json(text);
+  EXPECT_EQ(back.at("up").as_double(), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(back.at("down").as_double(), -std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isnan(back.at("lost").as_double()));
+  EXPECT_EQ(back.to_json(), text);
+  for (const std::string& bad : {std::string("\0", 1), std::string("\xff"), std::string("\"\\\0\"", 4)}) {
+    try {
+      (void)State::from_json(bad);
+      ADD_FAILURE() << "accepted";
+    } catch (const StateError& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.find('\0'), std::string::npos);
+      EXPECT_NE(message.find(bad[0] == '"' ? "\\x00" : bad[0] == '\0' ? "\\x00" : "\\xFF"), std::string::npos)
+          << message;
+    }
   }
 }
 

@@ -354,6 +354,9 @@ struct Job {
   std::function<size_t(size_t batch_size)> local_batches;
   // The tar shards this rank reads in the current epoch (--source shards).
   std::function<std::string()> local_shards;
+  // The shard set's file names, in order (--source shards): a checkpoint
+  // resumes only over the same set, wherever it is (disk or HTTP).
+  std::vector<std::string> shard_names;
 
   bool distributed() const {
 #if CONVEYOR_HAVE_DISTRIBUTED
@@ -503,6 +506,11 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
   run.set("limit", flags.limit);
   run.set("epochs", static_cast<int64_t>(flags.epochs));
   run.set("world", static_cast<int64_t>(job.world));
+  if (!job.shard_names.empty()) {
+    conveyor::State names = conveyor::State::array();
+    for (const std::string& name : job.shard_names) names.push_back(name);
+    run.set("shards", std::move(names));
+  }
   // Each rank of a job keeps checkpoints of its own.
   auto rank_dir = [&job](const std::string& dir) {
     return job.distributed() ? dir + "/rank-" + std::to_string(job.rank) : dir;
@@ -804,6 +812,9 @@ int main(int argc, char** argv) {
       if (!job.lead()) shard_paths = ensure_shards(flags.shards, flags.data);
     }
     shard_options.shards = shard_paths;
+    for (const std::string& path : shard_paths) {
+      job.shard_names.push_back(path.substr(path.find_last_of('/') + 1));
+    }
     shard_options.shuffle_shards = true;
     shard_options.seed = job.seed;
     shard_options.shuffle_buffer = 2000;

@@ -29,6 +29,8 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "flags.h"
 
@@ -142,7 +144,30 @@ conveyor::State load_checkpoint(const std::string& dir, uint64_t step, Net& net,
     throw conveyor::StateError("checkpoint: " + checkpoint.string() + " is missing");
   }
   using checkpoint_detail::load_part;
+  // torch::load takes each saved tensor whatever its shape: a model of
+  // another architecture under the same names loaded, and failed at the
+  // first optimizer step with a bare LibTorch error.
+  const auto shapes = [&net] {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+    for (const auto& item : net->named_parameters()) out.emplace_back(item.key(), item.value().sizes().vec());
+    for (const auto& item : net->named_buffers()) out.emplace_back(item.key(), item.value().sizes().vec());
+    return out;
+  };
+  const auto shape_text = [](const std::vector<int64_t>& sizes) {
+    std::string text = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+    return text + "]";
+  };
+  const auto expected = shapes();
   load_part(checkpoint / "model.pt", [&](const std::string& path) { torch::load(net, path); });
+  const auto loaded = shapes();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (i >= loaded.size() || loaded[i] != expected[i]) {
+      throw conveyor::StateError("checkpoint: " + (checkpoint / "model.pt").string() + ": " + expected[i].first +
+                                 " is " + (i < loaded.size() ? shape_text(loaded[i].second) : std::string("missing")) +
+                                 ", this net's is " + shape_text(expected[i].second));
+    }
+  }
   load_part(checkpoint / "optimizer.pt", [&](const std::string& path) { torch::load(optimizer, path); });
   load_part(checkpoint / "rng.pt", [](const std::string& path) {
     torch::Tensor rng;

@@ -100,6 +100,10 @@ struct PassContext {
 };
 
 // What a node did in its current (or last) pass: Pipeline::metrics().
+// The work this process did: a resumed pass counts what its replay runs
+// again (items pulled and made, failures met and skipped again, f's time),
+// and nothing for what it passes over by arithmetic (a clean skip), so
+// runs' metrics do not add up to one uninterrupted pass's.
 struct NodeMetrics {
   std::string name;
   uint64_t id = 0;

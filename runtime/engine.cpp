@@ -28,7 +28,11 @@
 // flag and slot) a Dekker handshake: at least one side sees the other, so no
 // wake-up is lost. In order, a worker finishing a batch behind the awaited
 // one lets the consumer sleep on: each wake-up is a futex call and, with
-// more busy threads than cores, a reschedule of a worker.
+// more busy threads than cores, a reschedule of a worker. For the same
+// reason a consumer with wake_after > 0 first parks for a later job (the
+// run's last), for at most kRunWaitLimit: a job that cannot finish before
+// the consumer takes the earlier ones (f waiting on the consumer) then
+// costs that much once, not a hang.
 #include "conveyor/detail/engine.h"
 
 #include <oneapi/tbb/global_control.h>
@@ -646,21 +650,22 @@ struct Engine::Impl {
   // publication of `awaited_slot` (kAnySlot: any) can make `ready()` true.
   template <class Ready>
   bool wait_until(Ready ready, Clock::time_point deadline, bool has_deadline,
-                  int64_t awaited_slot = Shared::kAnySlot) {
+                  int64_t awaited_slot = Shared::kAnySlot, bool spin = true) {
     // With a core to spare, the consumer spins up to kSpareCoreSpin: a
     // per-item wait of a few µs (W5's per-sample node graph at W=1) then
     // ends without parking, which would put a futex wake on the worker's
     // path for every item. With more threads than cores it spins kSpins
     // pauses only: a longer spin takes the CPU the workers need (the same
     // graph at W=2 on 2 vCPUs: 0.77x with 2,048 pauses).
+    // A wait for a run of jobs (wait_for_run) expects to wait long: no spin.
     const bool spare_core = ThreadReservations::instance().spare_core();
     const Clock::time_point spin_until = spare_core ? Clock::now() + kSpareCoreSpin : Clock::time_point{};
     do {
-      for (int spin = 0; spin < kSpins; ++spin) {
+      for (int turn = 0; spin && turn < kSpins; ++turn) {
         if (ready()) return true;
         cpu_relax();
       }
-    } while (spare_core && Clock::now() < spin_until);
+    } while (spin && spare_core && Clock::now() < spin_until);
     // Relaxed: the fence below orders it against the check that follows.
     shared->awaited_slot.store(awaited_slot, std::memory_order_relaxed);
     while (true) {
@@ -693,10 +698,29 @@ struct Engine::Impl {
     const bool has_deadline = deadline != Clock::time_point::max();
     ReadyJob ready;
     const int64_t awaited = config().in_order ? static_cast<int64_t>(expect_slot) : Shared::kAnySlot;
+    if (config().in_order && !has_deadline) wait_for_run();
     if (!wait_until([&] { return try_ready(ready); }, deadline, has_deadline, awaited)) {
       throw_timeout(config().in_order ? expect_slot : oldest_in_flight());
     }
     return ready;
+  }
+
+  // With wake_after > 0 and no core to spare: while the awaited job is not
+  // done, parks until the job wake_after places on is (see EngineConfig).
+  // Its wait is bounded, so that job need not finish first.
+  void wait_for_run() {
+    if (config().wake_after == 0 || in_flight < 2) return;
+    if (ThreadReservations::instance().spare_core()) return;
+    // (C1) pairs with (P1), as in try_ready().
+    auto published = [&](uint32_t slot) {
+      return shared->slots[slot].turn.load(std::memory_order_acquire) == meta[slot].seq + 1;
+    };
+    if (published(expect_slot)) return;
+    const size_t ahead = std::min<size_t>(config().wake_after, in_flight - 1);
+    const auto last = static_cast<uint32_t>((expect_slot + ahead) % config().window);
+    // Either way the wait for the awaited job follows; a spare signal from
+    // `last` after this gives up is harmless.
+    (void)wait_until([&] { return published(last); }, Clock::now() + kRunWaitLimit, true, last, false);
   }
 
   bool try_ready(ReadyJob& ready) {
@@ -823,6 +847,9 @@ struct Engine::Impl {
 
   static constexpr int kSpins = 256;
   static constexpr std::chrono::microseconds kSpareCoreSpin{50};
+  // The longest wait_for_run() parks for a later job: a bound on the delay
+  // of a done job, and ~100 W5 samples' decode on one worker.
+  static constexpr std::chrono::milliseconds kRunWaitLimit{1};
 
   std::shared_ptr<Executor> executor;  // first: outlives the tasks ~Impl waits for
   std::shared_ptr<Shared> shared;

@@ -9,11 +9,15 @@
 #include <conveyor/errors.h>
 
 #include <concurrentqueue.h>
+#include <oneapi/tbb/info.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -349,6 +353,83 @@ TEST(Executor, OnASharedArenaASharedLanesWorkersNeverRunTwice) {
   EXPECT_EQ(runner_a.overlaps.load(), 0);
   EXPECT_EQ(runner_b.overlaps.load(), 0);
   EXPECT_EQ(runner_a.out_of_range.load() + runner_b.out_of_range.load(), 0);
+}
+
+// At least as many workers as cores: no core to spare, so a consumer with
+// wake_after parks for a run of jobs (EngineConfig::wake_after).
+size_t oversubscribing_workers(size_t at_least) {
+  return std::max(at_least, static_cast<size_t>(tbb::info::default_concurrency()));
+}
+
+TEST(Engine, AConsumerWokenForARunStillTakesJobsInOrderWhateverTheCompletionOrder) {
+  const std::vector<std::vector<uint64_t>> orders = {
+      kForced, {0, 1, 2, 3, 4, 5, 6, 7}, {7, 6, 5, 4, 3, 2, 1, 0}, {3, 2, 1, 0, 7, 6, 5, 4}, {4, 0, 5, 1, 6, 2, 7, 3}};
+  for (size_t wake_after : {1, 3, 7, 100}) {
+    for (const auto& order : orders) {
+      SCOPED_TRACE("wake_after " + std::to_string(wake_after));
+      GatedRunner runner(8, 8);
+      const size_t workers = oversubscribing_workers(8);
+      EngineConfig c = config(workers, 8, true);
+      c.wake_after = wake_after;
+      Engine engine(c, runner);
+      engine.begin_pass();
+      for (size_t k = 0; k < 8; ++k) engine.submit(static_cast<int>(k % workers));
+      std::thread opener = force_completion_order(runner, order);
+      const auto got = collect(engine, runner, 8);
+      opener.join();
+      EXPECT_EQ(runner.completed.order(), order);
+      EXPECT_EQ(got, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+    }
+  }
+}
+
+// Job 4 waits until the consumer has taken job 0: f depends on the consumer.
+// A consumer parked for the run's last job (job 4 with wake_after 4) must
+// stop waiting for it and take job 0, or neither moves. A watchdog opens job
+// 4's gate after 20 s so that a failure ends, and says so.
+TEST(Engine, AConsumerWaitingForARunTakesTheFirstJobWhenTheRunCannotFinishWithoutIt) {
+  for (int round = 0; round < 100; ++round) {
+    GatedRunner runner(8, 8);
+    EngineConfig c = config(oversubscribing_workers(2), 8, true);
+    c.per_worker_queues = false;  // a blocked job holds one worker, not a strand
+    c.wake_after = 4;
+    Engine engine(c, runner);
+    engine.begin_pass();
+    for (uint64_t k = 0; k < 8; ++k) {
+      if (k != 0 && k != 4) runner.gates.open(k);
+    }
+    for (int k = 0; k < 8; ++k) engine.submit(-1);
+    Counter waiting, delivered;
+    std::mutex mutex;
+    std::condition_variable done_changed;
+    bool done = false, rescued = false;
+    std::thread opener([&] {
+      waiting.wait_for(1);
+      runner.gates.open(0);  // racing the consumer's wait, so that some rounds park first
+      delivered.wait_for(1);
+      runner.gates.open(4);
+    });
+    std::thread watchdog([&] {
+      std::unique_lock lock(mutex);
+      if (!done_changed.wait_for(lock, std::chrono::seconds(20), [&] { return done; })) {
+        rescued = true;
+        runner.gates.open(0);
+        runner.gates.open(4);
+      }
+    });
+    waiting.bump();
+    const auto got = collect(engine, runner, 8, &delivered, /*patient=*/true);
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    done_changed.notify_all();
+    watchdog.join();
+    if (rescued) delivered.bump();  // the opener may still wait for a delivery
+    opener.join();
+    ASSERT_FALSE(rescued) << "round " << round << ": the consumer waited for job 4, which waited for it";
+    EXPECT_EQ(got, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  }
 }
 
 TEST(Seeds, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {

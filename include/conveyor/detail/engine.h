@@ -80,6 +80,13 @@ struct EngineConfig {
   // batch 3. Called on the consumer's thread.
   std::function<uint64_t(uint64_t)> job_number;
   uint64_t first_seq = 0;  // tests start near the wrap point
+  // In order, with more busy threads than cores and no timeout: a consumer
+  // that must park asks to be woken when the job `wake_after` places behind
+  // the one it waits for is done (or after kRunWaitLimit), not that one.
+  // One wake-up then hands it a run of items: each wake-up is a futex call
+  // and the preemption of a worker. 0: woken for each job. A loader leaves it
+  // 0 (its consumer wants each batch as soon as it is done); a map sets it.
+  size_t wake_after = 0;
 };
 
 // A finished job, ready for the consumer.

@@ -18,10 +18,12 @@
 #include <atomic>
 #include <bit>
 #include <cstdint>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "conveyor/detail/check.h"
 #include "conveyor/transfer.h"
@@ -292,6 +294,17 @@ PoolStats pool_stats(const BufferAllocator& pool) {
   const auto* recycling = dynamic_cast<const RecyclingAllocator*>(&pool);
   CONVEYOR_CHECK(recycling != nullptr, "pool_stats of an allocator that is not a pool");
   return recycling->stats();
+}
+
+void hold_forever(std::shared_ptr<void> memory) noexcept {
+  static std::mutex mutex;
+  static auto* held = new std::vector<std::shared_ptr<void>>();  // never destroyed: a copy may outlive main()
+  std::lock_guard lock(mutex);
+  try {
+    held->push_back(std::move(memory));
+  } catch (...) {
+    new (std::nothrow) std::shared_ptr<void>(std::move(memory));  // leaked instead
+  }
 }
 
 bool is_pool_buffer(const std::shared_ptr<void>& owner) {

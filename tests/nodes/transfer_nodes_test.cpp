@@ -170,6 +170,26 @@ TEST(ToDevice, ItsMetricsAreReadWhileAPrefetchRunsIt) {
   EXPECT_GT(busy, 0);
 }
 
+// The table's "in flight" for to_device: the batches copying ahead plus the
+// one handed out, at each hand-out. A consumer that waits for each copy
+// finds the depth's copies queued behind it nearly always.
+TEST(ToDevice, ItsMeanInFlightCountsTheCopiesQueuedAhead) {
+  auto device = test_device();
+  auto pipeline = nodes::from_range(0, 32 * 40) | nodes::batch(32) | nodes::collate() |
+                  nodes::pin_memory(device) | nodes::to_device(device, 2);
+  for (auto& item : pipeline.pass()) item.device.ready.synchronize();
+  bool found = false;
+  for (const auto& node : pipeline.metrics()) {
+    if (node.name != "to_device(2)") continue;
+    found = true;
+    EXPECT_EQ(node.window, 3u);
+    EXPECT_EQ(node.items_out, 40u);
+    EXPECT_GT(node.mean_in_flight, 2.5);  // 3 at each hand-out but the last two
+    EXPECT_LE(node.mean_in_flight, 3.0);
+  }
+  EXPECT_TRUE(found);
+}
+
 TEST(ToDevice, MemoryFromOutsideThePoolGoesThroughScratchBuffersFreedWithTheItem) {
   auto device = test_device();
   {
@@ -326,6 +346,38 @@ TEST(ToDevice, ACopyFailingMidItemFreesNothingItsQueuedCopiesStillUse) {
     }
     EXPECT_EQ(device->live_device.load(), 0);
     EXPECT_EQ(device->live_pinned.load(), 0);
+  }
+}
+
+// When the device cannot even record the event that fences an item's queued
+// copies, what they read and write is never freed: the pool block and its
+// twin are held for good (leaked), as scratch buffers are, not handed back
+// with a default event that counts as done.
+TEST(ToDevice, AnItemWhoseCopiesCannotBeFencedFreesNothingTheyUse) {
+  for (const bool pinned : {true, false}) {
+    SCOPED_TRACE(pinned ? "from the pinned pool" : "through scratch buffers");
+    auto device = test_device();
+    device->hold_stream();
+    {
+      auto collated = nodes::from_range(0, 64) | nodes::batch(16) | nodes::collate();
+      auto pipeline = pinned ? std::move(collated) | nodes::pin_memory(device, 0) | nodes::to_device(device, 0)
+                             : std::move(collated) | nodes::to_device(device, 0);
+      device->fail_record = true;
+      auto pass = pipeline.pass();
+      try {
+        (void)pass.next();
+        ADD_FAILURE() << "an item without its event";
+      } catch (const conveyor::NodeError& e) {
+        EXPECT_EQ(e.node(), "to_device(0)");
+        EXPECT_NE(std::string(e.what()).find("event record failed (test)"), std::string::npos) << e.what();
+      }
+    }
+    EXPECT_EQ(device->frees_while_held.load(), 0) << "freed under a copy still queued";
+    device->release_stream();
+    EXPECT_EQ(device->live_device.load(), 1);  // the twin or scratch buffer, held for good
+    if (pinned) {
+      EXPECT_EQ(device->live_pinned.load(), 1);  // and the block
+    }
   }
 }
 

@@ -75,6 +75,7 @@ class TestDevice final : public conveyor::TransferDevice {
     inner_->copy_to_device(device, host, bytes);
   }
   conveyor::TransferEvent record() override {
+    if (fail_record.load()) throw std::runtime_error("event record failed (test)");
     conveyor::TransferEvent recorded = inner_->record();
     if (fail_event_waits.load()) return conveyor::TransferEvent(std::make_shared<FailingWait>(std::move(recorded)));
     if (!stream_gate_) return recorded;
@@ -115,6 +116,8 @@ class TestDevice final : public conveyor::TransferDevice {
   // Events recorded from now on fail when waited for, as after a sticky
   // device error.
   std::atomic<bool> fail_event_waits{false};
+  // record() throws from now on, as a device that cannot even fence.
+  std::atomic<bool> fail_record{false};
 
  private:
   // An event recorded while the stream is held: waiting for it releases

@@ -53,6 +53,11 @@ PoolStats pool_stats(const BufferAllocator& pool);
 
 // Whether `owner` keeps a pool buffer alive (rather than heap memory).
 bool is_pool_buffer(const std::shared_ptr<void>& owner);
+
+// Keeps `memory` alive until the process ends: memory a device copy may
+// still use when no event could be recorded to say when it is done. Held
+// where leak checkers see it, not leaked.
+void hold_forever(std::shared_ptr<void> memory) noexcept;
 // Whether `owner` keeps memory from make_scalable_heap() (or the sample
 // heap's large side) alive.
 bool is_scalable_heap_buffer(const std::shared_ptr<void>& owner);

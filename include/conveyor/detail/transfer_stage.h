@@ -54,6 +54,8 @@ class TransferStage final : public LoaderNode<Batch> {
     inner_done_ = false;
     pulled_ = 0;
     handed_out_ = 0;
+    takes_.store(0, std::memory_order_relaxed);
+    in_flight_sum_.store(0, std::memory_order_relaxed);
     transfer_ns_.store(0, std::memory_order_relaxed);  // no pass runs: no other thread reads
     inner_->reset(pass, walk);
     id_ = walk.next_id++;
@@ -85,6 +87,10 @@ class TransferStage final : public LoaderNode<Batch> {
     while (!inner_done_ && pending_.size() <= depth_ && pull(/*wait=*/false)) {
     }
     if (pending_.empty()) return std::nullopt;
+    // Relaxed, as transfer_ns_: figures for metrics, written on this thread only.
+    takes_.store(takes_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    in_flight_sum_.store(in_flight_sum_.load(std::memory_order_relaxed) + pending_.size(),  // the one taken too
+                         std::memory_order_relaxed);
     Entry entry = std::move(pending_.front());
     pending_.pop_front();
     current_ = std::move(entry.device);
@@ -117,7 +123,16 @@ class TransferStage final : public LoaderNode<Batch> {
     mine.items_out = handed_out_;
     mine.busy_seconds = static_cast<double>(transfer_ns_.load(std::memory_order_relaxed)) * 1e-9;
     mine.window = depth_ + 1;
+    mine.mean_in_flight = mean_in_flight();
     out.push_back(std::move(mine));
+  }
+
+  // Batches copying or copied and not yet handed out, counting the one being
+  // handed out, averaged over the hand-outs of this pass.
+  double mean_in_flight() const noexcept {
+    const uint64_t takes = takes_.load(std::memory_order_relaxed);
+    return takes ? static_cast<double>(in_flight_sum_.load(std::memory_order_relaxed)) / static_cast<double>(takes)
+                 : 0;
   }
 
  private:
@@ -134,7 +149,7 @@ class TransferStage final : public LoaderNode<Batch> {
     TransferEvent copied;
     std::shared_ptr<DeviceCopyUses> uses;  // its batch's kept work
     ~Scratch() {
-      if (!memory) return;  // kept for ever (queue_copies could not fence it)
+      if (!memory) return;
       copied.synchronize_before_release("a device buffer");
       if (uses) {
         for (const TransferEvent& use : uses->events()) use.synchronize_before_release("a device buffer");
@@ -195,8 +210,15 @@ class TransferStage final : public LoaderNode<Batch> {
     return true;
   }
 
+  // A pool buffer whose twin a copy was queued into: where its last copy
+  // is kept, and a hold on the buffer.
+  struct TwinCopied {
+    TransferEvent* last_copy = nullptr;
+    std::shared_ptr<void> owner;
+  };
+
   void queue_copies(Entry& entry) {
-    std::vector<TransferEvent*> twins_copied;
+    std::vector<TwinCopied> twins_copied;
     auto uses = std::make_shared<DeviceCopyUses>();
     try {
       queue_each_copy(entry, uses, twins_copied);
@@ -212,23 +234,26 @@ class TransferStage final : public LoaderNode<Batch> {
       } catch (...) {
         fenced = false;
       }
-      for (TransferEvent* last_copy : twins_copied) *last_copy = fence;
+      // With no fence, what the copies use is held for good: the pool would
+      // free a block and its twin under the copy (a default event counts as
+      // done), and a scratch buffer would free its memory.
+      for (TwinCopied& twin : twins_copied) {
+        *twin.last_copy = fence;
+        if (!fenced) hold_forever(std::move(twin.owner));
+      }
       for (auto& scratch : entry.scratch) {
         scratch->copied = fence;
-        if (!fenced) {
-          new std::shared_ptr<void>(std::move(scratch->host_owner));  // leaked: the host memory outlives the copy
-          scratch->memory = nullptr;
-        }
+        if (!fenced) hold_forever(scratch);
       }
       throw;
     }
     entry.device.uses = std::move(uses);
-    for (TransferEvent* last_copy : twins_copied) *last_copy = entry.device.ready;
+    for (TwinCopied& twin : twins_copied) *twin.last_copy = entry.device.ready;
     for (auto& scratch : entry.scratch) scratch->copied = entry.device.ready;
   }
 
   void queue_each_copy(Entry& entry, const std::shared_ptr<DeviceCopyUses>& uses,
-                       std::vector<TransferEvent*>& twins_copied) {
+                       std::vector<TwinCopied>& twins_copied) {
     transfer_traits<Batch>::for_each_buffer(
         *entry.batch, [&](void* host, size_t bytes, const std::shared_ptr<void>& owner) {
           void* target = nullptr;
@@ -242,7 +267,7 @@ class TransferStage final : public LoaderNode<Batch> {
               for (const TransferEvent& use : (*twin->last_uses)->events()) device_->wait_for(use);
             }
             *twin->last_uses = uses;
-            twins_copied.push_back(twin->last_copy);
+            twins_copied.push_back(TwinCopied{twin->last_copy, owner});
           } else {
             auto scratch = std::make_shared<Scratch>();
             scratch->device = device_;
@@ -268,6 +293,8 @@ class TransferStage final : public LoaderNode<Batch> {
   // Read by metrics while a prefetch downstream may run this stage on its
   // thread (see add_metrics): atomic, relaxed, a figure ordering nothing.
   std::atomic<int64_t> transfer_ns_{0};
+  std::atomic<uint64_t> takes_{0};          // hand-outs this pass (as transfer_ns_)
+  std::atomic<uint64_t> in_flight_sum_{0};  // pending batches at each, the one taken included
   std::deque<Entry> pending_;  // copies queued, not handed out yet
   DeviceBatch current_;
   std::vector<std::shared_ptr<Scratch>> current_scratch_;

@@ -128,6 +128,7 @@ class ToDevice final : public Stage<T, OnDevice<T>> {
     LoaderMetrics transfer;
     stage_->add_metrics(transfer);
     metrics.busy_seconds = transfer.transfer_seconds;  // queueing the copies, on the consumer's thread
+    metrics.mean_in_flight = stage_->mean_in_flight();
   }
 
  private:

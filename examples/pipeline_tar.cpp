@@ -14,9 +14,12 @@
 #include <conveyor/tar_shards.h>
 #include <conveyor/transforms.h>
 
+#include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 #include "flags.h"
@@ -47,6 +50,8 @@ struct Flags {
   bool metrics = false;
 };
 
+constexpr int64_t kMaxShards = std::numeric_limits<int32_t>::max();
+
 Flags parse(int argc, char** argv) {
   using conveyor::examples::integer_flag;
   Flags flags;
@@ -64,13 +69,13 @@ Flags parse(int argc, char** argv) {
       } else if (flag == "--epochs") {
         flags.epochs = integer_flag<int>(flag, value, 1);
       } else if (flag == "--workers") {
-        flags.workers = integer_flag<int>(flag, value, 0);
+        flags.workers = integer_flag<int>(flag, value, 0, 1024);  // map's own limit
       } else if (flag == "--seed") {
         flags.seed = integer_flag<uint64_t>(flag, value, 0);
       } else if (flag == "--rank") {
-        flags.spec.rank = integer_flag<int64_t>(flag, value, 0);
+        flags.spec.rank = integer_flag<int64_t>(flag, value, 0, kMaxShards - 1);
       } else if (flag == "--world") {
-        flags.spec.world_size = integer_flag<int64_t>(flag, value, 1);
+        flags.spec.world_size = integer_flag<int64_t>(flag, value, 1, kMaxShards);
       } else {
         usage("unknown flag " + flag);
       }
@@ -82,6 +87,12 @@ Flags parse(int argc, char** argv) {
   if (flags.spec.rank >= flags.spec.world_size) {
     usage("--rank " + std::to_string(flags.spec.rank) + " is not below --world " +
           std::to_string(flags.spec.world_size));
+  }
+  // ShardSpec splits a pass world x workers ways, an int's worth at most.
+  const int64_t ways = flags.spec.world_size * std::max(1, flags.workers);
+  if (ways > kMaxShards) {
+    usage("--world " + std::to_string(flags.spec.world_size) + " x --workers " + std::to_string(flags.workers) +
+          " is " + std::to_string(ways) + ", more than " + std::to_string(kMaxShards) + " shards of a pass");
   }
   return flags;
 }

@@ -41,7 +41,15 @@ void warn_once(const std::string& message) {
     std::lock_guard lock(mutex);
     if (!seen.insert(message).second) return;
   }
-  warn(message);
+  try {
+    warn(message);
+  } catch (...) {
+    // Not shown (a handler raising it as an error): as Python's "once"
+    // filter, the next time raises again.
+    std::lock_guard lock(mutex);
+    seen.erase(message);
+    throw;
+  }
 }
 }  // namespace detail
 

@@ -10,11 +10,16 @@ set(shards --shards ${WORK_DIR})  # flags are checked before the shards are read
 expect_failure(2 "--epochs needs an integer from 1 to 2147483647, got 'abc'" ${EXAMPLE} ${shards} --epochs abc)
 expect_failure(2 "--epochs needs an integer from 1 to 2147483647, got '4294967297'"
                ${EXAMPLE} ${shards} --epochs 4294967297)
-expect_failure(2 "--workers needs an integer from 0 to 2147483647, got '-1'" ${EXAMPLE} ${shards} --workers -1)
+expect_failure(2 "--workers needs an integer from 0 to 1024, got '-1'" ${EXAMPLE} ${shards} --workers -1)
+expect_failure(2 "--workers needs an integer from 0 to 1024, got '2000'" ${EXAMPLE} ${shards} --workers 2000)
+expect_failure(2 "--world needs an integer from 1 to 2147483647, got '3000000000'"
+               ${EXAMPLE} ${shards} --world 3000000000 --rank 5)
+expect_failure(2 "--world 2000000000 x --workers 2 is 4000000000, more than 2147483647 shards of a pass"
+               ${EXAMPLE} ${shards} --world 2000000000 --workers 2)
 expect_failure(2 "--seed needs an integer from 0 to 18446744073709551615, got 'abc'" ${EXAMPLE} ${shards} --seed abc)
-expect_failure(2 "--world needs an integer from 1 to 9223372036854775807, got 'two'"
+expect_failure(2 "--world needs an integer from 1 to 2147483647, got 'two'"
                ${EXAMPLE} ${shards} --rank 0 --world two)
-expect_failure(2 "--rank needs an integer from 0 to 9223372036854775807, got '1x'"
+expect_failure(2 "--rank needs an integer from 0 to 2147483646, got '1x'"
                ${EXAMPLE} ${shards} --rank 1x --world 2)
 expect_failure(2 "--rank 2 is not below --world 2" ${EXAMPLE} ${shards} --rank 2 --world 2)
 expect_failure(2 "pipeline_tar: --epochs needs a value" ${EXAMPLE} ${shards} --epochs)

@@ -3,6 +3,7 @@
 
 #include <conveyor/conveyor.h>
 #include <conveyor/detail/engine.h>
+#include <conveyor/warnings.h>
 
 #include <algorithm>
 #include <limits>
@@ -203,6 +204,25 @@ TEST(Loader, AWarningHandlerThatThrowsLosesNoBatch) {
         [](const std::string& m) { throw conveyor::ValueError("warnings are errors: " + m); });
   }
   conveyor::set_warning_handler(previous);
+}
+
+// A warning shown once per process, turned into an error by its handler,
+// was not shown: the next time raises it again (Python's "once" filter
+// records a warning only when it is shown), and once shown it stays quiet.
+TEST(Loader, AWarnOnceMessageAHandlerRaisedIsRaisedAgain) {
+  const std::string message = "test: a once-only warning raised as an error";
+  int raised = 0, shown = 0;
+  auto previous = conveyor::set_warning_handler([&](const std::string& m) {
+    if (m == message) ++raised;
+    throw conveyor::ValueError("warnings are errors: " + m);
+  });
+  for (int k = 0; k < 2; ++k) EXPECT_THROW(conveyor::detail::warn_once(message), conveyor::ValueError);
+  conveyor::set_warning_handler([&](const std::string& m) { shown += m == message ? 1 : 0; });
+  conveyor::detail::warn_once(message);
+  conveyor::detail::warn_once(message);
+  conveyor::set_warning_handler(previous);
+  EXPECT_EQ(raised, 2);
+  EXPECT_EQ(shown, 1);
 }
 
 TEST(Loader, IterableDatasetThatYieldsMoreThanItsLengthWarnsAtEveryItemPastIt) {

@@ -276,6 +276,35 @@ static void check_timeout(milliseconds timeout) {
   }
 }
 
+// An Environment given in GroupOptions, checked as read_environment() checks
+// the launcher's variables: c10d took world_size -1 as "unspecified" and a
+// rank past the world waited out the whole timeout on a store that was not
+// its own.
+static void check_environment(const Environment& env) {
+  constexpr int kMaxRanks = 1 << 24;  // read_environment()'s bound
+  const auto field = [](const char* name, long long value) {
+    return std::string("Environment.") + name + "=" + std::to_string(value);
+  };
+  const auto bad = [](const std::string& what) { throw ValueError("conveyor::distributed: " + what); };
+  if (env.world_size < 1 || env.world_size > kMaxRanks) {
+    bad(field("world_size", env.world_size) + " should be in [1, " + std::to_string(kMaxRanks) + "]");
+  }
+  if (env.rank < 0 || env.rank >= env.world_size) {
+    bad(field("rank", env.rank) + " should be in [0, " + field("world_size", env.world_size) + ")");
+  }
+  if (env.local_world_size < 1 || env.local_world_size > env.world_size) {
+    bad(field("local_world_size", env.local_world_size) + " should be in [1, " +
+        field("world_size", env.world_size) + "]");
+  }
+  if (env.local_rank < 0 || env.local_rank >= env.local_world_size) {
+    bad(field("local_rank", env.local_rank) + " should be in [0, " +
+        field("local_world_size", env.local_world_size) + ")");
+  }
+  if (env.master_port == 0) bad(field("master_port", 0) + " should be in [1, 65535]");
+  if (env.master_addr.empty()) bad("Environment.master_addr is empty");
+  if (env.restart_count < 0) bad(field("restart_count", env.restart_count) + " should not be negative");
+}
+
 Group Group::init(GroupOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->env = options.environment ? *options.environment : read_environment();
@@ -283,6 +312,7 @@ Group Group::init(GroupOptions options) {
   const Environment& env = impl->env;
   impl->store_address = env.master_addr + ":" + std::to_string(env.master_port);
   check_timeout(options.timeout);
+  if (options.environment) check_environment(env);
 
   ignore_sigpipe_unless_handled();
   std::string local_host;
@@ -346,6 +376,7 @@ Group Group::adopt_raw(c10d::ProcessGroup* group, GroupOptions options) {
   impl->timeout = options.timeout;
   if (options.environment) {
     impl->env = *options.environment;
+    check_environment(impl->env);
     if (impl->env.rank != group->getRank() || impl->env.world_size != group->getSize()) {
       throw ValueError("conveyor::distributed: the environment says " + where(impl->env) +
                        " but the process group is rank " + std::to_string(group->getRank()) +

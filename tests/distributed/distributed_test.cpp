@@ -177,6 +177,42 @@ TEST(DistributedEnvironment, AHandLaunchIsOneNode) {
 // (c10d's "none") and anything past a year. milliseconds::max(), the C++
 // way to ask for no timeout, overflowed c10d's nanosecond deadline: every
 // rank failed at once, the error blaming the port.
+// An Environment given in GroupOptions is checked as the launcher's
+// variables are: world_size -1 reached c10d as "unspecified", and rank 1 of
+// 1 waited out the whole timeout for a store that was not there.
+TEST(DistributedEnvironment, AGivenEnvironmentOutOfRangeIsRefusedNamingTheField) {
+  const auto refusal = [](auto change) {
+    dist::Environment env;  // rank 0 of 1 on 127.0.0.1:29500
+    change(env);
+    try {
+      (void)dist::Group::init({.timeout = milliseconds(60000), .environment = env});
+      return std::string("accepted");
+    } catch (const conveyor::ValueError& error) {
+      return std::string(error.what());
+    }
+  };
+  const std::string prefix = "conveyor::distributed: ";
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.world_size = 0; }),
+            prefix + "Environment.world_size=0 should be in [1, 16777216]");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.world_size = -1; }),
+            prefix + "Environment.world_size=-1 should be in [1, 16777216]");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.rank = 1; }),
+            prefix + "Environment.rank=1 should be in [0, Environment.world_size=1)");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.rank = -1; }),
+            prefix + "Environment.rank=-1 should be in [0, Environment.world_size=1)");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.local_world_size = 2; }),
+            prefix + "Environment.local_world_size=2 should be in [1, Environment.world_size=1]");
+  EXPECT_EQ(refusal([](dist::Environment& e) {
+              e.world_size = 4;
+              e.local_world_size = 2;
+              e.local_rank = 2;
+            }),
+            prefix + "Environment.local_rank=2 should be in [0, Environment.local_world_size=2)");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.master_port = 0; }),
+            prefix + "Environment.master_port=0 should be in [1, 65535]");
+  EXPECT_EQ(refusal([](dist::Environment& e) { e.master_addr.clear(); }), prefix + "Environment.master_addr is empty");
+}
+
 TEST(DistributedEnvironment, AnOutOfRangeTimeoutIsRefusedNamingIt) {
   for (const milliseconds timeout : {milliseconds(0), milliseconds(-5), milliseconds::max(),
                                      milliseconds(31536000001)}) {

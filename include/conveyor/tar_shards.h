@@ -56,7 +56,9 @@ struct TarShardOptions {
   // default_generator() as the replica starts (the worker's: reproducible).
   size_t shuffle_buffer = 0;
   // Distributed training: this process takes shards rank, rank + R, ...;
-  // within it, worker w of W takes every W-th of those.
+  // within it, worker w of W takes every W-th of those. In a pipeline
+  // sharded by ShardSpec (from_iterable(dataset) with .shard()), leave it 1:
+  // the pipeline splits by rank, and both together are a ValueError.
   int64_t num_replicas = 1;
   int64_t rank = 0;
   // Every sample must have these fields; a sample missing one is an error.

@@ -15,6 +15,11 @@ struct WorkerInfo {
   int id = 0;
   int num_workers = 0;
   uint64_t seed = 0;
+  // conveyor's own: how many ranks the num_workers shares span. A pipeline
+  // sharded by ShardSpec hands its rank x worker share to an iterable
+  // dataset as one worker of world_size x num_workers; a DataLoader's
+  // workers span one rank (1).
+  int num_ranks = 1;
 
   // The loader's dataset, as its concrete type D. Throws TypeError when the
   // dataset is not a D.

@@ -149,6 +149,13 @@ std::vector<std::string> TarShardDataset::shards_for(const WorkerInfo* worker) c
     }
     worker_id = static_cast<size_t>(worker->id);
     num_workers = static_cast<size_t>(worker->num_workers);
+    // Split by rank twice, each rank would read only its share of its share.
+    if (worker->num_ranks > 1 && options_.num_replicas > 1) {
+      throw ValueError("TarShardDataset: num_replicas=" + std::to_string(options_.num_replicas) +
+                       " splits the shards across ranks, and so does the pipeline's ShardSpec (world_size " +
+                       std::to_string(worker->num_ranks) +
+                       "): leave num_replicas at 1 and let the pipeline split them");
+    }
   }
   const auto rank = static_cast<size_t>(options_.rank);
   const auto replicas = static_cast<size_t>(options_.num_replicas);

@@ -509,6 +509,37 @@ TEST(TarShardDataset, SplitsShardsByRankThenWorker) {
   EXPECT_FALSE(dataset.iter(&worker)->next().has_value());
 }
 
+// In a pipeline sharded by rank, the dataset is handed its rank's share as
+// a worker of world_size x num_workers: its own num_replicas split ranks a
+// second time, and half the shards were read by no rank, silently.
+TEST(TarShardDataset, InAPipelineShardedByRankOnlyThePipelineSplitsRanks) {
+  TempDir dir;
+  const std::vector<std::string> paths = write_samples(dir.file("r-"), 8, 1);  // 8 shards
+  std::vector<std::string> seen;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    auto pipeline = conveyor::nodes::from_iterable(std::make_shared<TarShardDataset>(options_for(paths)));
+    pipeline.shard(conveyor::ShardSpec{.rank = rank, .world_size = 2});
+    for (ShardSample& sample : pipeline.pass()) seen.push_back(sample.key);
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, key_range(0, 8));
+
+  TarShardOptions split_twice = options_for(paths);
+  split_twice.num_replicas = 2;
+  split_twice.rank = 1;
+  auto pipeline = conveyor::nodes::from_iterable(std::make_shared<TarShardDataset>(split_twice));
+  pipeline.shard(conveyor::ShardSpec{.rank = 1, .world_size = 2});
+  try {
+    for (ShardSample& sample : pipeline.pass()) ADD_FAILURE() << "read " << sample.key;
+    ADD_FAILURE() << "num_replicas 2 in a pipeline split by rank was accepted";
+  } catch (const conveyor::NodeError& e) {
+    EXPECT_NE(std::string(e.what()).find("TarShardDataset: num_replicas=2 splits the shards across ranks, and so "
+                                         "does the pipeline's ShardSpec (world_size 2): leave num_replicas at 1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 class TarShardLoader : public ::testing::TestWithParam<int> {};
 
 TEST_P(TarShardLoader, EverySampleArrivesExactlyOnce) {

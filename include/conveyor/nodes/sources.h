@@ -419,6 +419,7 @@ class IterableSource final : public Source<sample_t<D>> {
     info_ = WorkerInfo{};
     info_.id = static_cast<int>(stride_.first);
     info_.num_workers = static_cast<int>(stride_.step);
+    info_.num_ranks = stride_.step > 1 ? static_cast<int>(pass.shard.world_size) : 1;
     // A seed a shard, as PyTorch's base seed + worker id.
     info_.seed = item_seed(pass, this->id_, 0) + stride_.first;
     info_.set_dataset(dataset_.get());

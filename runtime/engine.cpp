@@ -32,7 +32,7 @@
 // reason a consumer with wake_after > 0 first parks for a later job (the
 // run's last), for at most kRunWaitLimit: a job that cannot finish before
 // the consumer takes the earlier ones (f waiting on the consumer) then
-// costs that much once, not a hang.
+// costs that much, not a hang, and each such timeout halves the run.
 #include "conveyor/detail/engine.h"
 
 #include <oneapi/tbb/global_control.h>
@@ -557,6 +557,7 @@ struct Engine::Impl {
     const size_t workers = config.num_workers;
     const size_t window = config.window;
     CONVEYOR_CHECK(workers > 0 && window > 0, "an engine needs workers and a window");
+    run_ahead = config.wake_after;
     shared->slots = std::make_unique<Slot[]>(window);
     shared->clocks = std::make_unique<SlotClock[]>(window);
     for (size_t i = 0; i < window; ++i) {
@@ -706,21 +707,35 @@ struct Engine::Impl {
   }
 
   // With wake_after > 0 and no core to spare: while the awaited job is not
-  // done, parks until the job wake_after places on is (see EngineConfig).
+  // done, parks until the job run_ahead places on is (see EngineConfig).
   // Its wait is bounded, so that job need not finish first.
   void wait_for_run() {
     if (config().wake_after == 0 || in_flight < 2) return;
     if (ThreadReservations::instance().spare_core()) return;
+    if (run_ahead == 0) {
+      // Switched off by timeouts; tried again now and then, as f may change.
+      if (++waits_without_runs < kRunRetryAfter) return;
+      waits_without_runs = 0;
+      run_ahead = 1;
+    }
     // (C1) pairs with (P1), as in try_ready().
     auto published = [&](uint32_t slot) {
       return shared->slots[slot].turn.load(std::memory_order_acquire) == meta[slot].seq + 1;
     };
     if (published(expect_slot)) return;
-    const size_t ahead = std::min<size_t>(config().wake_after, in_flight - 1);
+    // Jobs behind the run's last keep every worker busy meanwhile: the
+    // window is not refilled while the consumer sleeps.
+    const size_t behind = config().num_workers + 1;
+    if (in_flight <= behind) return;
+    const size_t ahead = std::min(run_ahead, in_flight - behind);
     const auto last = static_cast<uint32_t>((expect_slot + ahead) % config().window);
     // Either way the wait for the awaited job follows; a spare signal from
     // `last` after this gives up is harmless.
-    (void)wait_until([&] { return published(last); }, Clock::now() + kRunWaitLimit, true, last, false);
+    if (wait_until([&] { return published(last); }, Clock::now() + kRunWaitLimit, true, last, false)) {
+      run_ahead = std::min(config().wake_after, run_ahead * 2);
+    } else if (published(expect_slot)) {
+      run_ahead /= 2;  // the awaited job waited, done: f may wait on the consumer
+    }
   }
 
   bool try_ready(ReadyJob& ready) {
@@ -850,6 +865,8 @@ struct Engine::Impl {
   // The longest wait_for_run() parks for a later job: a bound on the delay
   // of a done job, and ~100 W5 samples' decode on one worker.
   static constexpr std::chrono::milliseconds kRunWaitLimit{1};
+  // Waits with runs switched off before one is tried again.
+  static constexpr uint32_t kRunRetryAfter = 1024;
 
   std::shared_ptr<Executor> executor;  // first: outlives the tasks ~Impl waits for
   std::shared_ptr<Shared> shared;
@@ -866,6 +883,10 @@ struct Engine::Impl {
   uint32_t issue_slot = 0;
   uint32_t expect_slot = 0;
   size_t in_flight = 0;
+  // In order: how far ahead wait_for_run() parks (config().wake_after at
+  // most; halved by each timeout with the awaited job done).
+  size_t run_ahead = 0;
+  uint32_t waits_without_runs = 0;
   // Out of order: slots wait_ready() took off `completed`, not yet released.
   size_t taken = 0;
   uint64_t submitted = 0;
@@ -892,7 +913,7 @@ uint64_t Engine::cancellations() const noexcept {
 }
 
 EngineStats Engine::stats() const noexcept {
-  return {impl_->in_flight, impl_->config().window, impl_->submitted, impl_->released};
+  return {impl_->in_flight, impl_->config().window, impl_->submitted, impl_->released, impl_->run_ahead};
 }
 
 }  // namespace conveyor::detail

@@ -14,11 +14,14 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -355,30 +358,48 @@ TEST(Executor, OnASharedArenaASharedLanesWorkersNeverRunTwice) {
   EXPECT_EQ(runner_a.out_of_range.load() + runner_b.out_of_range.load(), 0);
 }
 
-// At least as many workers as cores: no core to spare, so a consumer with
-// wake_after parks for a run of jobs (EngineConfig::wake_after).
-size_t oversubscribing_workers(size_t at_least) {
-  return std::max(at_least, static_cast<size_t>(tbb::info::default_concurrency()));
-}
+// As many workers as cores: no core to spare, so a consumer with wake_after
+// parks for a run of jobs (EngineConfig::wake_after), if the window holds
+// more than the workers keep busy behind the run: `run_room` more jobs.
+size_t oversubscribing_workers() { return std::max(2, tbb::info::default_concurrency()); }
+size_t window_with_room_for_runs(size_t workers, size_t run_room) { return workers + 1 + run_room; }
 
 TEST(Engine, AConsumerWokenForARunStillTakesJobsInOrderWhateverTheCompletionOrder) {
-  const std::vector<std::vector<uint64_t>> orders = {
-      kForced, {0, 1, 2, 3, 4, 5, 6, 7}, {7, 6, 5, 4, 3, 2, 1, 0}, {3, 2, 1, 0, 7, 6, 5, 4}, {4, 0, 5, 1, 6, 2, 7, 3}};
-  for (size_t wake_after : {1, 3, 7, 100}) {
-    for (const auto& order : orders) {
-      SCOPED_TRACE("wake_after " + std::to_string(wake_after));
-      GatedRunner runner(8, 8);
-      const size_t workers = oversubscribing_workers(8);
-      EngineConfig c = config(workers, 8, true);
+  const char* given = std::getenv("CONVEYOR_ENGINE_SEED");
+  const uint64_t seed = given ? std::strtoull(given, nullptr, 10) : std::random_device{}();
+  std::printf("completion orders seed: %llu (replay with CONVEYOR_ENGINE_SEED=%llu)\n",
+              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  std::mt19937_64 rng(seed);
+  const size_t workers = oversubscribing_workers();
+  const size_t jobs = window_with_room_for_runs(workers, 8);
+  for (size_t wake_after : {1, 3, 8, 100}) {
+    for (int round = 0; round < 5; ++round) {
+      SCOPED_TRACE("seed " + std::to_string(seed) + ", wake_after " + std::to_string(wake_after) + ", round " +
+                   std::to_string(round));
+      // Job k runs on lane k % workers, a strand: a random interleaving of
+      // the lanes, each in its own order, is an order the workers can finish in.
+      std::vector<std::vector<uint64_t>> lanes(workers);
+      for (uint64_t k = 0; k < jobs; ++k) lanes[k % workers].push_back(k);
+      std::vector<size_t> next(workers, 0);
+      std::vector<uint64_t> order;
+      while (order.size() < jobs) {
+        const size_t lane = rng() % workers;
+        if (next[lane] < lanes[lane].size()) order.push_back(lanes[lane][next[lane]++]);
+      }
+      GatedRunner runner(jobs, jobs);
+      EngineConfig c = config(workers, jobs, true);
       c.wake_after = wake_after;
       Engine engine(c, runner);
       engine.begin_pass();
-      for (size_t k = 0; k < 8; ++k) engine.submit(static_cast<int>(k % workers));
+      for (size_t k = 0; k < jobs; ++k) engine.submit(static_cast<int>(k % workers));
       std::thread opener = force_completion_order(runner, order);
-      const auto got = collect(engine, runner, 8);
+      const auto got = collect(engine, runner, jobs);
       opener.join();
       EXPECT_EQ(runner.completed.order(), order);
-      EXPECT_EQ(got, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+      std::vector<uint64_t> in_order(jobs);
+      std::iota(in_order.begin(), in_order.end(), uint64_t{0});
+      EXPECT_EQ(got, in_order);
     }
   }
 }
@@ -388,17 +409,19 @@ TEST(Engine, AConsumerWokenForARunStillTakesJobsInOrderWhateverTheCompletionOrde
 // stop waiting for it and take job 0, or neither moves. A watchdog opens job
 // 4's gate after 20 s so that a failure ends, and says so.
 TEST(Engine, AConsumerWaitingForARunTakesTheFirstJobWhenTheRunCannotFinishWithoutIt) {
+  const size_t workers = oversubscribing_workers();
+  const size_t jobs = window_with_room_for_runs(workers, 8);
   for (int round = 0; round < 100; ++round) {
-    GatedRunner runner(8, 8);
-    EngineConfig c = config(oversubscribing_workers(2), 8, true);
+    GatedRunner runner(jobs, jobs);
+    EngineConfig c = config(workers, jobs, true);
     c.per_worker_queues = false;  // a blocked job holds one worker, not a strand
     c.wake_after = 4;
     Engine engine(c, runner);
     engine.begin_pass();
-    for (uint64_t k = 0; k < 8; ++k) {
+    for (uint64_t k = 0; k < jobs; ++k) {
       if (k != 0 && k != 4) runner.gates.open(k);
     }
-    for (int k = 0; k < 8; ++k) engine.submit(-1);
+    for (size_t k = 0; k < jobs; ++k) engine.submit(-1);
     Counter waiting, delivered;
     std::mutex mutex;
     std::condition_variable done_changed;
@@ -418,7 +441,7 @@ TEST(Engine, AConsumerWaitingForARunTakesTheFirstJobWhenTheRunCannotFinishWithou
       }
     });
     waiting.bump();
-    const auto got = collect(engine, runner, 8, &delivered, /*patient=*/true);
+    const auto got = collect(engine, runner, jobs, &delivered, /*patient=*/true);
     {
       std::lock_guard lock(mutex);
       done = true;
@@ -428,8 +451,54 @@ TEST(Engine, AConsumerWaitingForARunTakesTheFirstJobWhenTheRunCannotFinishWithou
     if (rescued) delivered.bump();  // the opener may still wait for a delivery
     opener.join();
     ASSERT_FALSE(rescued) << "round " << round << ": the consumer waited for job 4, which waited for it";
-    EXPECT_EQ(got, (std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+    std::vector<uint64_t> in_order(jobs);
+    std::iota(in_order.begin(), in_order.end(), uint64_t{0});
+    EXPECT_EQ(got, in_order);
   }
+}
+
+// Each job k waits until the consumer has taken job k - 1: no run can ever
+// finish before its first job is taken, so every run wait would end at the
+// bound (1 ms an item). Each such timeout halves the run; after a few, the
+// consumer waits for each job again.
+class WaitsOnTheConsumer final : public conveyor::detail::TaskRunner {
+ public:
+  explicit WaitsOnTheConsumer(size_t window) : results(window) {}
+  void init_worker(int) override {}
+  void run(Job& job, int, const std::exception_ptr&) noexcept override {
+    if (job.index > 0) taken.wait_for(job.index);
+    results[job.slot] = job.index;
+  }
+  void clear(uint32_t slot) noexcept override { results[slot].reset(); }
+  Counter taken;
+  std::vector<std::optional<uint64_t>> results;
+};
+
+TEST(Engine, RunWaitsThatTimeOutBehindAnFWaitingOnTheConsumerSwitchThemselvesOff) {
+  const size_t workers = oversubscribing_workers();
+  const size_t window = window_with_room_for_runs(workers, 32);
+  WaitsOnTheConsumer runner(window);
+  EngineConfig c = config(workers, window, true);
+  c.per_worker_queues = false;
+  c.wake_after = 32;
+  Engine engine(c, runner);
+  EXPECT_EQ(engine.stats().run_ahead, 32u);
+  engine.begin_pass();
+  const size_t total = 300;
+  size_t submitted = 0;
+  for (uint64_t k = 0; k < total; ++k) {
+    while (engine.has_room() && submitted < total) {
+      engine.submit(-1);
+      ++submitted;
+    }
+    const ReadyJob ready = engine.wait_ready(std::chrono::steady_clock::time_point::max());
+    ASSERT_EQ(ready.index, k);
+    ASSERT_EQ(runner.results[ready.slot], std::optional<uint64_t>(k));
+    runner.clear(ready.slot);
+    engine.release(ready);
+    runner.taken.bump();
+  }
+  EXPECT_EQ(engine.stats().run_ahead, 0u);
 }
 
 TEST(Seeds, WorkStealingSeedsDependOnlyOnBaseSeedEpochAndBatch) {

@@ -119,6 +119,7 @@ struct EngineStats {
   size_t window = 0;
   uint64_t submitted = 0;
   uint64_t released = 0;
+  size_t run_ahead = 0;  // how far ahead a parking consumer waits now (see EngineConfig::wake_after)
 };
 
 // The threads a graph's engines run on: one oneTBB arena, shared by every

@@ -109,6 +109,7 @@ size_t write_body(char* data, size_t size, size_t count, void* user) {
     return 0;
   }
   if (status >= 300) return bytes;
+  if (!transfer.ranged && status == 206) return 0;  // part of the object, not asked for: finish() says so
   if (transfer.ranged && status != 206) return keep_slice(transfer, data, bytes);
   if (bytes > transfer.max_bytes - transfer.body.size()) {  // body.size() <= max_bytes always
     transfer.too_big = true;
@@ -147,8 +148,7 @@ bool answers_range(const Transfer& transfer, std::string_view range) {
 }
 
 // CURLOPT_HEADERFUNCTION. A 2xx response whose Content-Length exceeds
-// max_bytes stops here, before its body (libcurl's CURLOPT_MAXFILESIZE
-// would too, without saying the length).
+// max_bytes stops here, before its body.
 // A ranged item's 206 must answer the range asked for ("Content-Range:
 // bytes 100-199/1000"): from its offset, to its end or the object's; one
 // that does not stops here (finish() names what it answered).
@@ -158,6 +158,14 @@ size_t read_header(char* data, size_t size, size_t count, void* user) {
   long status = 0;
   curl_easy_getinfo(transfer.easy, CURLINFO_RESPONSE_CODE, &status);
   if (status < 200 || status >= 300) return bytes;
+  if (!transfer.ranged && status == 206) {  // kept for finish()'s message
+    if (const std::optional<std::string_view> range = header_value(data, bytes, "content-range:")) {
+      std::string_view text = *range;
+      while (!text.empty() && (text.back() == '\r' || text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+      transfer.content_range.assign(text);
+    }
+    return bytes;
+  }
   if (transfer.ranged && status == 206) {
     if (const std::optional<std::string_view> range = header_value(data, bytes, "content-range:")) {
       std::string_view text = *range;
@@ -335,10 +343,10 @@ class HttpGet final : public Stage<Input, HttpObject> {
       }
       // Set or cleared per item: the slot's handle serves every item after.
       const std::string range = transfer.ranged ? range_text(transfer).substr(6) : std::string();
-      // A ranged item's whole-object answer may exceed max_bytes; what it keeps may not (keep_slice).
-      const curl_off_t max_file = transfer.ranged ? 0 : max_file_size();
-      if (curl_easy_setopt(transfer.easy, CURLOPT_RANGE, transfer.ranged ? range.c_str() : nullptr) != CURLE_OK ||
-          curl_easy_setopt(transfer.easy, CURLOPT_MAXFILESIZE_LARGE, max_file) != CURLE_OK) {
+      // No CURLOPT_MAXFILESIZE: libcurl applies it to a redirect's own page
+      // too. read_header refuses a 2xx Content-Length over max_bytes, and
+      // write_body bounds what is kept.
+      if (curl_easy_setopt(transfer.easy, CURLOPT_RANGE, transfer.ranged ? range.c_str() : nullptr) != CURLE_OK) {
         throw DataError("http_get: libcurl refused the range " + range_text(transfer), transfer.url);
       }
       start(transfer);
@@ -364,11 +372,6 @@ class HttpGet final : public Stage<Input, HttpObject> {
     if (!ok) throw DataError("http_get: libcurl refused an option (out of memory?)", transfer.url);
   }
 
-  // A Content-Length over max_bytes fails before the body (CURLE_FILESIZE_EXCEEDED).
-  curl_off_t max_file_size() const noexcept {
-    return static_cast<curl_off_t>(
-        std::min<uint64_t>(options_.max_bytes, static_cast<uint64_t>(std::numeric_limits<curl_off_t>::max())));
-  }
 
   // One attempt: into the multi handle; curl_multi_perform starts it.
   void start(Transfer& transfer) {
@@ -475,7 +478,14 @@ class HttpGet final : public Stage<Input, HttpObject> {
     std::string why;
     bool retry = false;
     const bool whole = result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.enough && !transfer.too_big);
-    const bool over_length = transfer.length && transfer.body.size() > *transfer.length;
+    // More than the range asked for, or than its 206's Content-Range says
+    // (an open range: no length of its own).
+    const bool over_length = (transfer.length && transfer.body.size() > *transfer.length) ||
+                             (transfer.ranged && status == 206 && transfer.range_answered &&
+                              transfer.body.size() > transfer.range_bytes);
+    // A 206 where the whole object was asked for: a part handed out as the
+    // whole. Not retried: the server answers the same again.
+    const bool unasked_part = !transfer.ranged && status == 206;
     // A whole object cut to the range must reach into it (as a 206 does: a
     // range starting at or past the end is a 416).
     const bool before_range = transfer.ranged && status != 206 && transfer.body.empty();
@@ -484,14 +494,19 @@ class HttpGet final : public Stage<Input, HttpObject> {
     // short of its Content-Range.
     const bool short_range = transfer.ranged && status == 206 && transfer.range_answered &&
                              transfer.body.size() < transfer.range_bytes;
-    if (whole && status >= 200 && status < 300 && !over_length && !before_range && !unanswered && !short_range) {
+    if (whole && status >= 200 && status < 300 && !over_length && !before_range && !unanswered && !short_range &&
+        !unasked_part) {
       transfer.state = Transfer::State::done;
       return;
     }
-    if (whole && unanswered) {
+    if (unasked_part && (whole || result == CURLE_WRITE_ERROR)) {
+      why = "the server answered a request for the whole object with 206 Partial Content (Content-Range '" +
+            transfer.content_range + "')";
+    } else if (whole && unanswered) {
       why = "the server's 206 for the range " + range_text(transfer) + " has no Content-Range";
     } else if (whole && over_length) {
       why = "the server sent " + std::to_string(transfer.body.size()) + " bytes for the range " + range_text(transfer);
+      if (!transfer.content_range.empty()) why += " (Content-Range '" + transfer.content_range + "')";
     } else if (whole && short_range) {
       why = "the server's 206 for the range " + range_text(transfer) + " (Content-Range '" + transfer.content_range +
             "') ended after " + std::to_string(transfer.body.size()) + " of its " +
@@ -505,10 +520,8 @@ class HttpGet final : public Stage<Input, HttpObject> {
     } else if (transfer.ranged && status == 206 && !transfer.content_range.empty() && !transfer.range_answered) {
       why = "the server answered the range " + range_text(transfer) + " with Content-Range '" +
             transfer.content_range + "'";
-    } else if (result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.error_status) ||
-               (result == CURLE_FILESIZE_EXCEEDED && status >= 400)) {
-      // An error status: its body stopped at its first bytes, or refused
-      // for a Content-Length over max_bytes (libcurl checks any response's).
+    } else if (result == CURLE_OK || (result == CURLE_WRITE_ERROR && transfer.error_status)) {
+      // An error status: its body stopped at its first bytes.
       why = "HTTP " + std::to_string(status);
       retry = status >= 500;
     } else if (transfer.too_big) {
@@ -517,9 +530,6 @@ class HttpGet final : public Stage<Input, HttpObject> {
     } else if (transfer.declared >= 0) {
       why = "the server declares " + std::to_string(transfer.declared) +
             " bytes (Content-Length), more than http_get's max_bytes " + std::to_string(options_.max_bytes);
-    } else if (result == CURLE_FILESIZE_EXCEEDED) {
-      why = "the server declares more bytes (Content-Length) than http_get's max_bytes " +
-            std::to_string(options_.max_bytes);
     } else {
       why = curl_easy_strerror(result);
       if (transfer.error_text[0] != '\0') why += std::string(" (") + transfer.error_text + ")";

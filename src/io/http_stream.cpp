@@ -280,6 +280,7 @@ class HttpStream final : public ByteStream {
     status_ = 0;
     too_big_ = false;
     wrong_range_.clear();
+    unasked_part_.clear();
     error_text_[0] = '\0';
     CURL* easy = connection_.easy;
     const std::string range = std::to_string(received_) + "-";
@@ -323,6 +324,13 @@ class HttpStream final : public ByteStream {
       curl_easy_getinfo(connection_.easy, CURLINFO_CONTENT_LENGTH_DOWNLOAD_T, &length);
       std::optional<uint64_t> total;  // the object's length, where this response says it
       const std::string etag = response_header("ETag"), last_modified = response_header("Last-Modified");
+      if (received_ == 0 && status == 206) {
+        // Part of the object where the whole was asked for (no Range sent):
+        // read as the whole, it would end the stream early or splice.
+        const std::string header = response_header("Content-Range");
+        unasked_part_ = header.empty() ? "no Content-Range" : "Content-Range: " + header;
+        return 0;
+      }
       if (received_ == 0) {
         // The reader's bytes begin with this response: every resume must
         // come from the same object.
@@ -433,6 +441,8 @@ class HttpStream final : public ByteStream {
       why = "the object changed between attempts (" + changed_ + ")";
     } else if (!wrong_range_.empty()) {
       why = "the resume from byte " + std::to_string(received_) + " was answered with " + wrong_range_;
+    } else if (!unasked_part_.empty()) {
+      why = "the server answered a request for the whole object with 206 Partial Content (" + unasked_part_ + ")";
     } else if (status_ != 0 || (result == CURLE_OK && status != 0 && (status < 200 || status >= 300))) {
       // An error status, with a body (refused by take_body) or without.
       why = "HTTP " + std::to_string(status);
@@ -524,6 +534,7 @@ class HttpStream final : public ByteStream {
   std::string etag_, last_modified_;  // the validators of the response the reader's bytes began with
   std::string changed_;  // how a resume's response showed another object (changed_since, or its length)
   std::string wrong_range_;  // a resume answered from another byte: what the 206 said
+  std::string unasked_part_;  // a 206 to the first request (no range asked): what it said
   long status_ = 0;  // an attempt's non-2xx status
   std::exception_ptr failure_;
   char error_text_[CURL_ERROR_SIZE] = {};

@@ -752,6 +752,27 @@ TEST(HttpStreamScripted, ARefusedRedirectIsNamedByItsReason) {
   }
 }
 
+// A 206 to the first request, which asks for no range: part of the object.
+// Read as the whole, the stream ended after those 10 bytes of 1000, no
+// error. It is refused, naming its Content-Range, and not asked again.
+TEST(HttpStreamScripted, A206ToARequestForTheWholeObjectIsRefused) {
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(
+        fd, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 500-509/1000\r\nContent-Length: 10\r\n\r\n0123456789");
+    return true;
+  });
+  const std::string url = server.url("/object.bin");
+  std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+  const DataError error = read_error(*stream);
+  EXPECT_EQ(error.file(), url);
+  EXPECT_NE(std::string(error.what())
+                .find("the server answered a request for the whole object with 206 Partial Content "
+                      "(Content-Range: bytes 500-509/1000)"),
+            std::string::npos)
+      << error.what();
+  EXPECT_EQ(server.requests().size(), 1u);
+}
+
 }  // namespace
 }  // namespace conveyor::nodes
 #endif

@@ -771,6 +771,84 @@ TEST(HttpGetScripted, AnErrorStatusOverMaxBytesIsNamedByItsStatus) {
   EXPECT_EQ(server.requests().size(), 2u);  // a 5xx is tried again
 }
 
+// A 206 where the whole object was asked for (no Range sent) is part of
+// it: handed out as the object before, 10 bytes of 1000, no error. Not
+// tried again: the server answers the same.
+TEST(HttpGetScripted, A206ToARequestForTheWholeObjectIsADataError) {
+  using conveyor::test::ScriptedServer;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(
+        fd, "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/1000\r\nContent-Length: 10\r\n\r\n0123456789");
+    return true;
+  });
+  const std::string url = server.url("/object.bin");
+  auto pipeline = from_vector(std::vector<std::string>{url}) |
+                  http_get({.max_in_flight = 1, .retries = 2, .backoff = milliseconds(1)});
+  auto pass = pipeline.pass();
+  try {
+    std::optional<HttpObject> got = pass.next();
+    ADD_FAILURE() << "handed out " << (got ? got->bytes.size() : 0) << " bytes of a 1000-byte object as the object";
+  } catch (const DataError& error) {
+    EXPECT_EQ(error.file(), url);
+    EXPECT_NE(std::string(error.what())
+                  .find("http_get: the server answered a request for the whole object with 206 Partial Content "
+                        "(Content-Range 'bytes 0-9/1000')"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(server.requests().size(), 1u);
+}
+
+// An open range ("bytes 100-") answered by a 206 whose body runs past its
+// own Content-Range: the bytes past it are not the object's. Before, all
+// 1000 were handed out for the 100-byte range the server promised.
+TEST(HttpGetScripted, AnOpenRangesBodyPastItsContentRangeIsADataError) {
+  using conveyor::test::ScriptedServer;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(fd,
+                             "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/200\r\nContent-Length: "
+                             "1000\r\n\r\n" +
+                                 std::string(1000, 'x'));
+    return true;
+  });
+  const std::string url = server.url("/object.bin");
+  auto pipeline = from_vector(std::vector<HttpRange>{{url, 100, std::nullopt}}) |
+                  http_get({.max_in_flight = 1, .retries = 0});
+  auto pass = pipeline.pass();
+  try {
+    std::optional<HttpObject> got = pass.next();
+    ADD_FAILURE() << "handed out " << (got ? got->bytes.size() : 0) << " bytes for 'bytes 100-199/200'";
+  } catch (const DataError& error) {
+    EXPECT_NE(std::string(error.what())
+                  .find("the server sent 1000 bytes for the range bytes 100- (Content-Range 'bytes 100-199/200')"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
+// max_bytes bounds the object, not a redirect's own page on the way: a 302
+// with a 200-byte page to a 10-byte object under max_bytes 100 was refused
+// as "the server declares more bytes than max_bytes" (libcurl's
+// CURLOPT_MAXFILESIZE checks every response).
+TEST(HttpGetScripted, ARedirectsPageOverMaxBytesDoesNotCountAsTheObject) {
+  using conveyor::test::ScriptedServer;
+  ScriptedServer server([&](int fd, const ScriptedServer::Request& request) {
+    if (request.head.starts_with("GET /a ")) {
+      ScriptedServer::send_all(fd, "HTTP/1.1 302 Found\r\nLocation: /b\r\nContent-Length: 200\r\n\r\n" +
+                                       std::string(200, 'r'));
+    } else {
+      ScriptedServer::send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789");
+    }
+    return true;
+  });
+  auto pipeline = from_vector(std::vector<std::string>{server.url("/a")}) |
+                  http_get({.max_in_flight = 1, .retries = 0, .max_bytes = 100});
+  auto pass = pipeline.pass();
+  std::optional<HttpObject> got = pass.next();
+  ASSERT_TRUE(got);
+  EXPECT_EQ(std::string(got->bytes.begin(), got->bytes.end()), "0123456789");
+}
+
 #ifdef CONVEYOR_IO_TEST_FORMATS
 TEST(HttpShardPattern, BracesExpandInUrls) {
   EXPECT_EQ(expand_shard_pattern("http://127.0.0.1:8080/data/shard-{000008..000010}.tar"),

@@ -14,7 +14,6 @@
 #include <conveyor/tar_shards.h>
 #include <conveyor/transforms.h>
 
-#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -87,12 +86,6 @@ Flags parse(int argc, char** argv) {
   if (flags.spec.rank >= flags.spec.world_size) {
     usage("--rank " + std::to_string(flags.spec.rank) + " is not below --world " +
           std::to_string(flags.spec.world_size));
-  }
-  // ShardSpec splits a pass world x workers ways, an int's worth at most.
-  const int64_t ways = flags.spec.world_size * std::max(1, flags.workers);
-  if (ways > kMaxShards) {
-    usage("--world " + std::to_string(flags.spec.world_size) + " x --workers " + std::to_string(flags.workers) +
-          " is " + std::to_string(ways) + ", more than " + std::to_string(kMaxShards) + " shards of a pass");
   }
   return flags;
 }

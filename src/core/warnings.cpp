@@ -39,17 +39,14 @@ void warn_once(const std::string& message) {
   static std::set<std::string> seen;
   {
     std::lock_guard lock(mutex);
-    if (!seen.insert(message).second) return;
+    if (seen.contains(message)) return;
   }
-  try {
-    warn(message);
-  } catch (...) {
-    // Not shown (a handler raising it as an error): as Python's "once"
-    // filter, the next time raises again.
-    std::lock_guard lock(mutex);
-    seen.erase(message);
-    throw;
-  }
+  // Recorded once shown: a handler raising it as an error (Python's "error"
+  // filter) raises it every time. Two threads meeting it at once may both
+  // show it; neither drops it.
+  warn(message);
+  std::lock_guard lock(mutex);
+  seen.insert(message);
 }
 }  // namespace detail
 

@@ -280,7 +280,9 @@ static void check_timeout(milliseconds timeout) {
 // the launcher's variables: c10d took world_size -1 as "unspecified" and a
 // rank past the world waited out the whole timeout on a store that was not
 // its own.
-static void check_environment(const Environment& env) {
+// `serves_store`: init() (rendezvous at master_addr:master_port); adopt()
+// uses neither, and leaves master_addr empty without MASTER_ADDR.
+static void check_environment(const Environment& env, bool serves_store) {
   constexpr int kMaxRanks = 1 << 24;  // read_environment()'s bound
   const auto field = [](const char* name, long long value) {
     return std::string("Environment.") + name + "=" + std::to_string(value);
@@ -296,13 +298,15 @@ static void check_environment(const Environment& env) {
     bad(field("local_world_size", env.local_world_size) + " should be in [1, " +
         field("world_size", env.world_size) + "]");
   }
-  if (env.local_rank < 0 || env.local_rank >= env.local_world_size) {
-    bad(field("local_rank", env.local_rank) + " should be in [0, " +
-        field("local_world_size", env.local_world_size) + ")");
+  // Against the world, not local_world_size: its default (1) is "not said",
+  // and a single node's local_rank is its rank.
+  if (env.local_rank < 0 || env.local_rank >= env.world_size) {
+    bad(field("local_rank", env.local_rank) + " should be in [0, " + field("world_size", env.world_size) + ")");
   }
+  if (env.restart_count < 0) bad(field("restart_count", env.restart_count) + " should not be negative");
+  if (!serves_store) return;
   if (env.master_port == 0) bad(field("master_port", 0) + " should be in [1, 65535]");
   if (env.master_addr.empty()) bad("Environment.master_addr is empty");
-  if (env.restart_count < 0) bad(field("restart_count", env.restart_count) + " should not be negative");
 }
 
 Group Group::init(GroupOptions options) {
@@ -312,7 +316,7 @@ Group Group::init(GroupOptions options) {
   const Environment& env = impl->env;
   impl->store_address = env.master_addr + ":" + std::to_string(env.master_port);
   check_timeout(options.timeout);
-  if (options.environment) check_environment(env);
+  if (options.environment) check_environment(env, /*serves_store=*/true);
 
   ignore_sigpipe_unless_handled();
   std::string local_host;
@@ -376,7 +380,7 @@ Group Group::adopt_raw(c10d::ProcessGroup* group, GroupOptions options) {
   impl->timeout = options.timeout;
   if (options.environment) {
     impl->env = *options.environment;
-    check_environment(impl->env);
+    check_environment(impl->env, /*serves_store=*/false);
     if (impl->env.rank != group->getRank() || impl->env.world_size != group->getSize()) {
       throw ValueError("conveyor::distributed: the environment says " + where(impl->env) +
                        " but the process group is rank " + std::to_string(group->getRank()) +

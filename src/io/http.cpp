@@ -68,6 +68,7 @@ struct Transfer {
   uint64_t max_bytes = 0;
   bool too_big = false;      // write_body refused more bytes than max_bytes
   bool error_status = false;  // write_body stopped an error status's body
+  uint64_t redirect_bytes = 0;  // of a 3xx's own body, which libcurl hands on when it does not follow it
   int64_t declared = -1;     // a 2xx response's Content-Length when over max_bytes (read_header)
   std::exception_ptr error;  // done with an error
   bool own_error = false;    // this node's (skippable), not upstream's
@@ -108,7 +109,13 @@ size_t write_body(char* data, size_t size, size_t count, void* user) {
     transfer.error_status = true;
     return 0;
   }
-  if (status >= 300) return bytes;
+  if (status >= 300) {
+    // Not kept; stopped past max_bytes (finish() names the status).
+    transfer.redirect_bytes += bytes;
+    if (transfer.redirect_bytes <= transfer.max_bytes) return bytes;
+    transfer.error_status = true;
+    return 0;
+  }
   if (!transfer.ranged && status == 206) return 0;  // part of the object, not asked for: finish() says so
   if (transfer.ranged && status != 206) return keep_slice(transfer, data, bytes);
   if (bytes > transfer.max_bytes - transfer.body.size()) {  // body.size() <= max_bytes always
@@ -378,6 +385,7 @@ class HttpGet final : public Stage<Input, HttpObject> {
     transfer.body.clear();
     transfer.too_big = false;
     transfer.error_status = false;
+    transfer.redirect_bytes = 0;
     transfer.declared = -1;
     transfer.skip_left = transfer.ranged ? transfer.offset : 0;
     transfer.enough = false;

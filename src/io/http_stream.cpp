@@ -418,6 +418,10 @@ class HttpStream final : public ByteStream {
       // length left nothing else to tell them apart by).
       changed_ = "it now ends at byte " + std::to_string(received_ - discard_) + ", but " +
                  std::to_string(received_) + " bytes of it were read";
+    } else if (result == CURLE_OK && status == 206 && received_at_start_ == 0) {
+      // An empty 206 to a request for the whole object: take_body never saw it.
+      const std::string header = response_header("Content-Range");
+      unasked_part_ = header.empty() ? "no Content-Range" : "Content-Range: " + header;
     } else if (result == CURLE_OK && status >= 200 && status < 300) {
       if (!size_ || received_ == *size_) {
         done_ = true;

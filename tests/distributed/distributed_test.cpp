@@ -204,10 +204,9 @@ TEST(DistributedEnvironment, AGivenEnvironmentOutOfRangeIsRefusedNamingTheField)
             prefix + "Environment.local_world_size=2 should be in [1, Environment.world_size=1]");
   EXPECT_EQ(refusal([](dist::Environment& e) {
               e.world_size = 4;
-              e.local_world_size = 2;
-              e.local_rank = 2;
+              e.local_rank = 4;
             }),
-            prefix + "Environment.local_rank=2 should be in [0, Environment.local_world_size=2)");
+            prefix + "Environment.local_rank=4 should be in [0, Environment.world_size=4)");
   EXPECT_EQ(refusal([](dist::Environment& e) { e.master_port = 0; }),
             prefix + "Environment.master_port=0 should be in [1, 65535]");
   EXPECT_EQ(refusal([](dist::Environment& e) { e.master_addr.clear(); }), prefix + "Environment.master_addr is empty");

@@ -773,6 +773,24 @@ TEST(HttpStreamScripted, A206ToARequestForTheWholeObjectIsRefused) {
   EXPECT_EQ(server.requests().size(), 1u);
 }
 
+// The same with an empty body, which never reaches the body callback: it
+// ended the stream as a 0-byte object.
+TEST(HttpStreamScripted, AnEmpty206ToARequestForTheWholeObjectIsRefused) {
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(fd, "HTTP/1.1 206 Partial Content\r\nContent-Length: 0\r\n\r\n");
+    return true;
+  });
+  const std::string url = server.url("/object.bin");
+  std::unique_ptr<ByteStream> stream = http_opener(kQuick)(url);
+  const DataError error = read_error(*stream);
+  EXPECT_NE(std::string(error.what())
+                .find("the server answered a request for the whole object with 206 Partial Content "
+                      "(no Content-Range)"),
+            std::string::npos)
+      << error.what();
+  EXPECT_EQ(server.requests().size(), 1u);
+}
+
 }  // namespace
 }  // namespace conveyor::nodes
 #endif

@@ -849,6 +849,33 @@ TEST(HttpGetScripted, ARedirectsPageOverMaxBytesDoesNotCountAsTheObject) {
   EXPECT_EQ(std::string(got->bytes.begin(), got->bytes.end()), "0123456789");
 }
 
+// A 3xx that is not followed (no Location) hands its own body on: it is
+// not kept, and past max_bytes it is stopped, as an error status's body is,
+// not read through (a chunked page here, so no length to refuse it by).
+TEST(HttpGetScripted, AnUnfollowedRedirectsBodyStopsPastMaxBytes) {
+  using conveyor::test::ScriptedServer;
+  std::promise<void> error_seen;
+  std::shared_future<void> seen = error_seen.get_future().share();
+  std::atomic<bool> server_gave_up{false};
+  ScriptedServer server([&](int fd, const ScriptedServer::Request&) {
+    ScriptedServer::send_all(fd, "HTTP/1.1 300 Multiple Choices\r\nTransfer-Encoding: chunked\r\n\r\n1000\r\n" +
+                                     std::string(0x1000, 'x') + "\r\n");
+    if (seen.wait_for(std::chrono::seconds(10)) != std::future_status::ready) server_gave_up = true;
+    return false;
+  });
+  auto pipeline = from_vector(std::vector<std::string>{server.url("/choices")}) |
+                  http_get({.retries = 0, .max_bytes = 1000});
+  auto pass = pipeline.pass();
+  try {
+    (void)pass.next();
+    ADD_FAILURE() << "a 300 gave an object";
+  } catch (const DataError& error) {
+    EXPECT_NE(std::string(error.what()).find("HTTP 300"), std::string::npos) << error.what();
+  }
+  EXPECT_FALSE(server_gave_up) << "the 300's body was read until the server gave up";
+  error_seen.set_value();
+}
+
 #ifdef CONVEYOR_IO_TEST_FORMATS
 TEST(HttpShardPattern, BracesExpandInUrls) {
   EXPECT_EQ(expand_shard_pattern("http://127.0.0.1:8080/data/shard-{000008..000010}.tar"),

@@ -13,10 +13,26 @@
 //     8 label bytes each) into batch buffers of their own (a ring of three
 //     each, the share of a loader's window), batch b going to thread b % T,
 //     as fast as they can. One JSON line with samples/s.
+//
+//   conveyor_perf_limits --core-round-trip
+//     How far apart the first two CPUs the process may run on are: the mean
+//     time for a cache line to go from one to the other and back, two
+//     threads pinned to them passing a counter (median of 5 rounds of
+//     100,000). On a VM the host moves its vCPUs: on the 2-vCPU machines of
+//     perf/README.md it reads 50-120 ns (the vCPUs placed near) or 330-400
+//     ns (apart), flipping within minutes, and W5's per-sample graph, which
+//     hands every sample's bytes from core to core, runs 20% slower apart.
+//     One JSON line; the suite runs it before each run.
+#include <pthread.h>
+#include <sched.h>
+
 #include <atomic>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "workloads.h"
 
@@ -160,10 +176,67 @@ int memcpy_limit(int threads, double seconds, size_t samples, size_t batch_size)
   return 0;
 }
 
+// The first two CPUs in this thread's affinity mask, or nothing with one.
+std::optional<std::pair<int, int>> first_two_cpus() {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return std::nullopt;
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE && cpus.size() < 2; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  }
+  if (cpus.size() < 2) return std::nullopt;
+  return std::pair{cpus[0], cpus[1]};
+}
+
+bool pin_to(int cpu) {
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  return pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0;
+}
+
+int core_round_trip() {
+  const auto cpus = first_two_cpus();
+  if (!cpus) {
+    std::printf("{\"core_round_trip_ns\":null,\"why\":\"fewer than two CPUs\"}\n");
+    return 0;
+  }
+  constexpr int kTrips = 100000;
+  // The ball: odd while it is the echo thread's to return, even while it is
+  // the timer's. Acquire/release so each side sees the other's last write;
+  // the line moving between the cores is what is timed.
+  alignas(64) std::atomic<int64_t> ball{0};
+  std::atomic<bool> pinned{true};
+  std::vector<double> rounds;
+  for (int round = 0; round < 5; ++round) {
+    ball.store(0, std::memory_order_relaxed);
+    std::thread echo([&] {
+      if (!pin_to(cpus->second)) pinned.store(false, std::memory_order_relaxed);
+      for (int64_t trip = 0; trip < kTrips; ++trip) {
+        while (ball.load(std::memory_order_acquire) != 2 * trip + 1) {
+        }
+        ball.store(2 * trip + 2, std::memory_order_release);
+      }
+    });
+    if (!pin_to(cpus->first)) pinned.store(false, std::memory_order_relaxed);
+    const auto start = perf::Clock::now();
+    for (int64_t trip = 0; trip < kTrips; ++trip) {
+      ball.store(2 * trip + 1, std::memory_order_release);
+      while (ball.load(std::memory_order_acquire) != 2 * trip + 2) {
+      }
+    }
+    rounds.push_back(perf::seconds_since(start) * 1e9 / kTrips);
+    echo.join();
+  }
+  std::printf("{\"core_round_trip_ns\":%.1f,\"cpus\":[%d,%d],\"pinned\":%s}\n", perf::percentile(rounds, 0.5),
+              cpus->first, cpus->second, pinned.load() ? "true" : "false");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool do_calibrate = false, do_memcpy = false;
+  bool do_calibrate = false, do_memcpy = false, do_round_trip = false;
   int threads = 1;
   double seconds = 2, target_us = 50;
   size_t samples = perf::default_samples("W1"), batch_size = 256;
@@ -173,6 +246,8 @@ int main(int argc, char** argv) {
       do_calibrate = true;
     } else if (flag == "--memcpy") {
       do_memcpy = true;
+    } else if (flag == "--core-round-trip") {
+      do_round_trip = true;
     } else if (i + 1 < argc && flag == "--threads") {
       threads = std::max(1, std::atoi(argv[++i]));
     } else if (i + 1 < argc && flag == "--seconds") {
@@ -186,12 +261,13 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: conveyor_perf_limits --calibrate [--target-us 50] | --memcpy --threads T "
-                   "[--seconds S] [--samples N] [--batch-size B]\n");
+                   "[--seconds S] [--samples N] [--batch-size B] | --core-round-trip\n");
       return 2;
     }
   }
   if (do_calibrate) return calibrate(target_us);
   if (do_memcpy) return memcpy_limit(threads, seconds, samples, batch_size);
-  std::fprintf(stderr, "conveyor_perf_limits: --calibrate or --memcpy\n");
+  if (do_round_trip) return core_round_trip();
+  std::fprintf(stderr, "conveyor_perf_limits: --calibrate, --memcpy or --core-round-trip\n");
   return 2;
 }

@@ -541,6 +541,13 @@ class Report:
                    "samples. A blank mode is the library's defaults (work stealing, in order). "
                    "`CPU/s` is CPU seconds per timed second (all the peer's threads and processes). "
                    "Peak RSS is the whole process's (Python: the parent only), from `/usr/bin/time -v`.")
+        trips = sorted(run["core_round_trip_ns"] for run in doc.get("runs", []) if run.get("core_round_trip_ns"))
+        if trips:
+            out.append(f"The cache-line round trip between the first two CPUs, taken before each run "
+                       f"(`conveyor_perf_limits --core-round-trip`): median {median(trips):.0f} ns, "
+                       f"{trips[0]:.0f}-{trips[-1]:.0f} ns. A VM's host places its vCPUs close or apart and "
+                       "moves them within minutes; work handed between cores per sample runs slower the longer it is "
+                       "(perf/README.md), so compare rows taken at like round trips.")
         out.append("")
         self.evaluate()
         out += ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]

@@ -451,11 +451,14 @@ class Suite:
         for index, (rep, (kind, label, meta, command)) in enumerate(schedule, 1):
             remaining = [job[1][0] for job in schedule[index - 1:]]
             self.progress(index, total, f"{label}  rep {rep + 1}/{self.reps}", remaining)
+            round_trip = self.core_round_trip()
             stdout, stderr, rc, usage = self.measure(command)
             self.durations.setdefault(kind, []).append(usage.get("wall_s", 0.0))
             result = self.last_json(stdout)
             record = dict(meta)
             record.update({"rep": rep, "command": " ".join(command), "rc": rc, "usage": usage})
+            if round_trip is not None:
+                record["core_round_trip_ns"] = round_trip
             if result is None or rc != 0:
                 record["error"] = (stderr or "")[-1500:]
                 print(f"    FAILED (rc {rc}): {(stderr or '').strip()[-300:]}", flush=True)
@@ -466,6 +469,8 @@ class Suite:
                     line += f", next() p50 {result['wait_p50_us']:.1f} us p99 {result['wait_p99_us']:.1f} us"
                 if "max_rss_kb" in usage:
                     line += f", RSS {usage['max_rss_kb'] / 1024:.0f} MiB, CPU {usage.get('cpu_s', 0):.2f} s"
+                if round_trip is not None:
+                    line += f", core round trip {round_trip:.0f} ns"
                 metrics = result.get("metrics")
                 if metrics:  # conveyor's own (Epoch::metrics())
                     line += (f"\n    conveyor: stall {metrics['stall_pct']:.1f}%, fetch {metrics['fetch_s']:.3f} s, "
@@ -477,6 +482,21 @@ class Suite:
             # lost): results.partial.json, replaced after every run.
             self.write(partial=True)
         self.write()
+
+    def core_round_trip(self):
+        """The cache-line round trip between the first two CPUs just before a
+        run, in ns (None with one CPU or no probe). A VM's host moves its
+        vCPUs close together and apart within minutes, and work handed from
+        core to core runs at two speeds with it (perf/README.md)."""
+        probe = self.binary("conveyor_perf_limits")
+        if not probe:
+            return None
+        try:
+            done = subprocess.run([probe, "--core-round-trip"], capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return None
+        result = self.last_json(done.stdout) if done.returncode == 0 else None
+        return result.get("core_round_trip_ns") if result else None
 
     def machine(self):
         info = {"cores": self.cores, "platform": platform.platform(), "python": platform.python_version()}

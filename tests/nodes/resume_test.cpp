@@ -27,6 +27,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -770,6 +771,151 @@ TEST(PipelineResume, ACorruptSavedOrderIsRefused) {
     FAIL() << "a join state taking 2^33 items loaded";
   } catch (const StateError& error) {
     EXPECT_NE(std::string(error.what()).find("8589934592"), std::string::npos) << error.what();
+  }
+}
+
+// An item that counts how many of its kind are alive, and the most at once.
+struct Counted {
+  static inline int64_t alive = 0;
+  static inline int64_t most = 0;
+  int64_t value = 0;
+  explicit Counted(int64_t v) : value(v) { born(); }
+  Counted(const Counted& other) : value(other.value) { born(); }
+  Counted& operator=(const Counted&) = default;
+  ~Counted() { --alive; }
+  static void born() { most = std::max(most, ++alive); }
+};
+
+// A zip of a fork's branches, resumed far into its pass, holds what the
+// branches were apart when it was saved, not everything before its place:
+// the first branch's skip waits for the second's, and upstream's items
+// before both places are dropped as they are pulled. (Before, resuming at
+// item 20,000 held 20,000 items: the first branch's skip buffered them all
+// for the second.)
+TEST(PipelineResume, AZipOfAForksBranchesResumedFarOnHoldsOnlyWhatTheyWereApart) {
+  constexpr int64_t kItems = 30000;
+  constexpr size_t kBuffer = 8;
+  auto make = [] {
+    auto outputs = nodes::fork(nodes::from_range(0, kItems) | nodes::map([](int64_t i) { return Counted(i); }), 2,
+                               kBuffer);
+    return nodes::zip(std::move(outputs[0]), std::move(outputs[1]));
+  };
+  std::string saved;
+  {
+    auto zipped = make();
+    auto pass = zipped.pass();
+    for (int64_t i = 0; i < 20000; ++i) ASSERT_TRUE(pass.next());
+    saved = zipped.state().to_json();
+  }
+  ASSERT_EQ(Counted::alive, 0);
+  Counted::most = 0;
+  auto zipped = make();
+  zipped.load_state(State::from_json(saved));
+  int64_t expected = 20000;
+  {
+    auto pass = zipped.pass();
+    EXPECT_LE(Counted::most, static_cast<int64_t>(kBuffer)) << "items alive at once while the zip resumed";
+    while (auto pair = pass.next()) {
+      ASSERT_EQ(pair->first.value, expected);
+      ASSERT_EQ(pair->second.value, expected);
+      ++expected;
+    }
+  }
+  EXPECT_EQ(expected, kItems);
+  EXPECT_LE(Counted::most, static_cast<int64_t>(kBuffer) + 4) << "items alive at once in the resumed pass";
+}
+
+// Branches saved apart (one behind a filter that dropped four items) resume
+// apart: the items between their places are kept for the one behind, and
+// an upstream failure among the skipped items counts in its place.
+TEST(PipelineResume, AForksBranchesSavedApartResumeApartWithAFailureInTheirPrefix) {
+  auto make = [] {
+    auto outputs = nodes::fork(nodes::from_range(0, 200) | nodes::map([](int64_t i) {
+                                 if (i == 37) throw std::runtime_error("item 37 is bad");
+                                 return i;
+                               }),
+                               2, 16);
+    // Four items fewer: this branch is four ahead of the other from item 10 on.
+    auto ahead = std::move(outputs[1]) | nodes::filter([](int64_t i) { return i < 10 || i > 13; });
+    return nodes::zip(std::move(outputs[0]), std::move(ahead)) |
+           nodes::map([](const std::pair<int64_t, int64_t>& pair) { return pair.first * 1000 + pair.second; });
+  };
+  Outcomes whole;
+  {
+    auto pipeline = make();
+    auto pass = pipeline.pass();
+    while (take_one(pass, whole)) {
+    }
+  }
+  ASSERT_GT(whole.size(), 60u);
+  for (const size_t cut : {size_t{5}, size_t{18}, size_t{19}, size_t{40}, size_t{60}}) {
+    EXPECT_EQ(conveyor::testing::stopped_and_resumed(make, cut), whole) << "saved after " << cut << " outputs";
+  }
+}
+
+// Batched branches ask their fork to skip a whole batch's worth of items
+// past the end (the last batch is short): the count the fork returns is
+// what upstream holds, not what was asked, at every place the pass stops.
+TEST(PipelineResume, AForksBatchedBranchesResumeAtEveryPlaceIncludingTheShortLastBatch) {
+  for (const int64_t items : {int64_t{10}, int64_t{12}}) {
+    auto make = [items] {
+      auto outputs = nodes::fork(nodes::from_range(0, items), 2, 8);
+      return nodes::zip(std::move(outputs[0]) | nodes::batch(4), std::move(outputs[1]) | nodes::batch(4)) |
+             nodes::map([](const std::pair<std::vector<int64_t>, std::vector<int64_t>>& pair) {
+               return static_cast<int64_t>(pair.first.size()) * 1000 + pair.second.front();
+             });
+    };
+    Outcomes whole;
+    {
+      auto pipeline = make();
+      auto pass = pipeline.pass();
+      while (take_one(pass, whole)) {
+      }
+    }
+    for (size_t cut = 0; cut <= whole.size(); ++cut) {
+      EXPECT_EQ(conveyor::testing::stopped_and_resumed(make, cut), whole) << items << " items, stopped after " << cut;
+    }
+  }
+}
+
+// A state placing a fork's consumers past the end of what upstream now
+// holds is refused, as a pass too short for its state is: by the pass's
+// skip where a consumer pulls there (a zip: the second branch's skip), on
+// the first take where none did (a mux: every consumer's skip waits on the
+// other's, so the first pull comes after pass()).
+TEST(PipelineResume, AForkResumedPastItsUpstreamsEndIsAStateError) {
+  using Make = std::function<Pipeline<int64_t>(int64_t)>;
+  const Make zipped = [](int64_t items) {
+    auto outputs = nodes::fork(nodes::from_range(0, items), 2, 8);
+    return nodes::zip(std::move(outputs[0]), std::move(outputs[1])) |
+           nodes::map([](const std::pair<int64_t, int64_t>& pair) { return pair.first; });
+  };
+  const Make muxed = [](int64_t items) { return nodes::mux(nodes::fork(nodes::from_range(0, items), 2, 8)); };
+  // Saved 60 items into a fork of 100 (the mux: 120 outputs, 60 each), resumed over 50.
+  for (const auto& [what, make, outputs, message] : {std::tuple{"zip", zipped, 60, "ended after 50 items"},
+                                                      std::tuple{"mux", muxed, 120, "upstream ended after 50"}}) {
+    SCOPED_TRACE(what);
+    std::string saved;
+    {
+      auto pipeline = make(100);
+      auto pass = pipeline.pass();
+      for (int i = 0; i < outputs; ++i) ASSERT_TRUE(pass.next());
+      saved = pipeline.state().to_json();
+    }
+    auto pipeline = make(50);
+    std::string error;
+    try {
+      pipeline.load_state(State::from_json(saved));
+      auto pass = pipeline.pass();
+      while (pass.next()) {
+      }
+    } catch (const StateError& e) {
+      error = e.what();
+    } catch (const conveyor::NodeError& e) {
+      error = "a NodeError: " + std::string(e.what());
+    }
+    EXPECT_NE(error.find(message), std::string::npos) << error;
+    EXPECT_EQ(error.find("NodeError"), std::string::npos) << error;
   }
 }
 

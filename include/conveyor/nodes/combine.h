@@ -589,6 +589,12 @@ Pipeline<T> join(std::vector<Pipeline<T>> sources) {
 // and a resumed process agree on; its nodes' names alone are not one: two
 // forks over different files of one shape would shuffle alike.)
 //
+// Resuming far into a pass holds what the consumers were apart when the
+// state was taken where they are reset together and then skipped (one
+// graph over the branches: a zip, mux or join of them). Consumers in
+// pipelines of their own, each resumed by its own pass(), hold upstream's
+// items up to the first one's place until the others have skipped too.
+//
 // A consumer destroyed mid-pass leaves the fork: the others no longer wait
 // for it to take what they have.
 template <class T>
@@ -742,20 +748,31 @@ class ForkState {
     nodes.set(std::to_string(id), std::move(mine));
   }
 
-  // A resumed consumer takes its items as it did, buffering what the others
-  // (resumed after it) have not taken yet, past the buffer's limit: the
-  // consumers' saved places may be further apart than it allows until every
-  // one has skipped. So a resume holds up to the saved position's items
-  // until the last consumer has skipped (zip(fork[0], fork[1]) resumed at
-  // item 100,000 held 100,000): known, left for a lazy skip.
+  // A resumed consumer passes over the items it had taken. Where another
+  // consumer of the pass was resumed too and has yet to pass over its own
+  // (a zip of the fork's branches, reset one after the other and then
+  // skipped), the skip only moves the consumer's place, as far as the saved
+  // pass had taken items: upstream is pulled when some consumer next takes,
+  // and what every consumer is past by then is dropped as it comes, never
+  // buffered (zip(fork[0], fork[1]) resumed at item 100,000 held 100,000
+  // items before this). A consumer placed past an end that upstream turns
+  // out to have earlier than the saved pass did is told so on its next take
+  // (a StateError, as a pass too short for its state is). Past where the
+  // saved pass had taken, and else, the items are taken as next() takes
+  // them, so the count returned is what upstream holds (a batch's skip, a
+  // shuffle's probe learn its end from it), buffered for the consumers still
+  // to take them, past the buffer's limit: the consumers' saved places may
+  // be further apart than it allows until every one has skipped.
   uint64_t skip(size_t consumer, uint64_t count) {
     const std::lock_guard lock(mutex_);
+    uint64_t skipped = another_still_to_skip(consumer) ? move_place(consumer, count) : 0;
     const size_t limit = std::exchange(buffer_limit_, std::numeric_limits<size_t>::max());
-    uint64_t skipped = 0;
     try {
       while (skipped < count) {
         try {
           if (!take(consumer, false)) break;
+        } catch (const PlacedPastTheEnd&) {
+          throw;  // the pass is not the saved one
         } catch (...) {
           // A failed item (or an overflow error met there) is taken in its
           // place, as next() would hand it out.
@@ -807,36 +824,26 @@ class ForkState {
     uint64_t& taken = taken_[consumer];
     Overflows& overflows = overflows_[consumer];
     // A resumed pass: the overflow errors the saved one met, where it met them.
-    if (overflows.replay_at < overflows.replay.size() && overflows.replay[overflows.replay_at] == taken) {
-      if (++overflows.replayed == overflows.replay[overflows.replay_at + 1]) {
-        overflows.replay_at += 2;
-        overflows.replayed = 0;
+    if (replay_overflow_due(consumer)) throw overflow(consumer, buffer_);
+    // Placed ahead of upstream by a skip (move_place): upstream catches up,
+    // keeping only what another consumer is still to take.
+    while (taken > base_ + items_.size()) {
+      if (ended_) {
+        const uint64_t placed = std::exchange(taken, base_ + items_.size());
+        drop_taken_by_all();
+        throw PlacedPastTheEnd("load_state: fork[" + std::to_string(consumer) + "]'s state had taken " +
+                         std::to_string(placed) + " items of its pass, but upstream ended after " +
+                         std::to_string(taken) + ": the data is not what it was");
       }
-      throw overflow(consumer, buffer_);
+      pull(polling);
+      drop_taken_by_all();
     }
     if (taken == base_ + items_.size()) {
       if (ended_) return std::nullopt;
       // Before where a resumed pass's consumer had taken, only the saved
       // overflow errors: the buffer may hold more meanwhile.
       if (items_.size() >= buffer_limit_ && taken >= overflows.quiet_until) throw overflow(consumer, items_.size());
-      Entry entry;
-      try {
-        if (!polling) {
-          entry.item = upstream_->next();
-        } else if (upstream_->try_next(entry.item) == Poll::pending) {
-          throw detail::UpstreamPending{};
-        }
-      } catch (const detail::UpstreamPending&) {
-        throw;
-      } catch (...) {
-        // An upstream error is an entry: every consumer meets it in its place.
-        entry.error = std::current_exception();
-      }
-      if (!entry.item && !entry.error) {
-        ended_ = true;
-        return std::nullopt;
-      }
-      items_.push_back(std::move(entry));
+      if (!pull(polling)) return std::nullopt;
     }
     const Entry& entry = items_[static_cast<size_t>(taken - base_)];
     std::optional<T> out;
@@ -846,6 +853,82 @@ class ForkState {
     drop_taken_by_all();
     if (error) rethrow_own_copy(error);
     return out;
+  }
+
+  // Appends upstream's next item (or the error thrown in its place) to the
+  // buffer; false, and the fork ended, at upstream's end.
+  bool pull(bool polling) {
+    Entry entry;
+    try {
+      if (!polling) {
+        entry.item = upstream_->next();
+      } else if (upstream_->try_next(entry.item) == Poll::pending) {
+        throw detail::UpstreamPending{};
+      }
+    } catch (const detail::UpstreamPending&) {
+      throw;
+    } catch (...) {
+      // An upstream error is an entry: every consumer meets it in its place.
+      entry.error = std::current_exception();
+    }
+    if (!entry.item && !entry.error) {
+      ended_ = true;
+      return false;
+    }
+    items_.push_back(std::move(entry));
+    return true;
+  }
+
+  // The consumer's next output is an overflow error its resumed pass's
+  // saved one met here: counted as met, and true.
+  bool replay_overflow_due(size_t consumer) {
+    Overflows& overflows = overflows_[consumer];
+    if (overflows.replay_at >= overflows.replay.size() || overflows.replay[overflows.replay_at] != taken_[consumer]) {
+      return false;
+    }
+    if (++overflows.replayed == overflows.replay[overflows.replay_at + 1]) {
+      overflows.replay_at += 2;
+      overflows.replayed = 0;
+    }
+    return true;
+  }
+
+  // Another consumer of this pass was resumed and has not yet passed over
+  // what its state had taken (its skip is still to come, or it is taking
+  // again what a node behind it had pulled ahead).
+  bool another_still_to_skip(size_t consumer) const {
+    if (upstream_unreset_) return false;
+    for (size_t other = 0; other < taken_.size(); ++other) {
+      if (other != consumer && !left_[other] && passes_[other] == pass_ &&
+          taken_[other] < overflows_[other].quiet_until) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // skip() without pulling: the consumer's place moves past up to `count`
+  // outputs, an overflow error the saved pass met counting as one, as
+  // take() would meet them, and no further than items the saved pass had
+  // (the furthest consumer's state) or the fork has pulled: those exist, if
+  // upstream is what it was.
+  uint64_t move_place(size_t consumer, uint64_t count) {
+    uint64_t known = base_ + items_.size();
+    for (size_t c = 0; c < taken_.size(); ++c) {
+      if (!left_[c] && passes_[c] == pass_) known = std::max(known, overflows_[c].quiet_until);
+    }
+    uint64_t& taken = taken_[consumer];
+    uint64_t skipped = 0;
+    for (; skipped < count; ++skipped) {
+      if (replay_overflow_due(consumer)) {
+        (void)overflow(consumer, buffer_);  // counted where the saved pass met it
+        continue;
+      }
+      if (taken >= known) break;
+      ++taken;
+    }
+    drop_taken_by_all();
+    return skipped;
   }
 
   // Drops what every consumer still in the fork has taken (one not yet
@@ -912,6 +995,10 @@ class ForkState {
                              ", is still to come: this error takes no item's place)");
   }
 
+  // A consumer a skip placed past upstream's end (move_place).
+  struct PlacedPastTheEnd : StateError {
+    using StateError::StateError;
+  };
   // An upstream item, or the error upstream threw in its place.
   struct Entry {
     std::optional<T> item;

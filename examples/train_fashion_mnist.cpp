@@ -549,8 +549,13 @@ int train(const Flags& flags, const Job& job, std::shared_ptr<TrainDataset> data
       throw conveyor::StateError("resuming from " + resume_from + ": the checkpoint was saved by a run with " +
                                  resumed->at("run").to_json() + ", this one has " + run.to_json());
     }
-    loader.load_state_dict(resumed->at("loader"));
     first_epoch = static_cast<int>(resumed->int_at("epoch"));
+    // A checkpoint taken while padding (the loader's next pass over this
+    // epoch's share) resumes that pass, which set_epoch() below is skipped
+    // for: the dataset's epoch, which picks the epoch's shards and is not in
+    // the loader's state, is set here, before the state sets the loader's.
+    if (resumed->bool_at("padding")) loader.set_epoch(static_cast<uint64_t>(first_epoch));
+    loader.load_state_dict(resumed->at("loader"));
     global_step = resumed->uint_at("global_step");
     fingerprint.hash = resumed->uint_at("fingerprint");
     accuracy = resumed->at("accuracy").as_double();

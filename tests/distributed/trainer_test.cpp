@@ -240,30 +240,38 @@ TEST(DistributedTrainer, ARankKilledMidEpochResumesFromTheRanksCheckpointUnderTo
   std::smatch want;
   ASSERT_TRUE(std::regex_search(whole.ranks[0].output, want, final_line)) << whole.describe();
 
-  // Rank 1 reads the 100-sample shard in one epoch of two at least; step 7
-  // of the first epoch is past its share then (2 or 4 batches), and the
-  // checkpoint before it, step 6, is taken while it pads.
-  std::vector<std::string> with_checkpoints = args;
-  for (const char* arg : {"--checkpoint-every", "3", "--auto-resume"}) with_checkpoints.push_back(arg);
-  with_checkpoints.push_back("--checkpoint");
-  with_checkpoints.push_back(checkpoints);
-  const LaunchResult killed = torchrun_trainer(
-      torchrun, 1, with_checkpoints, {{"CONVEYOR_TRAINER_KILL_AT_STEP", "7"}, {"CONVEYOR_TRAINER_KILL_RANK", "1"}});
+  // Rank 1 reads the 100-sample shard in one epoch of two at least (with
+  // --seed 0, the second: 2 batches of its 8 steps). Killed at step 7 with a
+  // checkpoint every 3 steps, it resumes from step 6, taken while it pads
+  // the first epoch; killed at step 12 with one every 5, from step 10, taken
+  // while it pads the second, whose shards are not epoch 0's. (The second
+  // resumed over epoch 0's shards before the trainer set the dataset's
+  // epoch for it: another loss curve.)
+  for (const auto& [every, kill_at] : {std::pair{"3", "7"}, std::pair{"5", "12"}}) {
+    SCOPED_TRACE(std::string("a checkpoint every ") + every + " steps, killed at step " + kill_at);
+    std::filesystem::remove_all(checkpoints);
+    std::vector<std::string> with_checkpoints = args;
+    for (const char* arg : {"--checkpoint-every", every, "--auto-resume"}) with_checkpoints.push_back(arg);
+    with_checkpoints.push_back("--checkpoint");
+    with_checkpoints.push_back(checkpoints);
+    const LaunchResult killed = torchrun_trainer(
+        torchrun, 1, with_checkpoints, {{"CONVEYOR_TRAINER_KILL_AT_STEP", kill_at}, {"CONVEYOR_TRAINER_KILL_RANK", "1"}});
+    ASSERT_FALSE(killed.ranks[0].killed_at_deadline) << killed.describe();
+    ASSERT_EQ(killed.ranks[0].exit_code, 0) << killed.describe();
+    const std::string& out = killed.ranks[0].output;
+    EXPECT_NE(out.find("resumed from"), std::string::npos) << "the job was not restarted\n" << killed.describe();
+    // The last final line is the restarted job's.
+    std::string last;
+    for (std::sregex_iterator it(out.begin(), out.end(), final_line), end; it != end; ++it) last = (*it)[0];
+    std::smatch got;
+    ASSERT_TRUE(std::regex_search(last, got, final_line)) << killed.describe();
+    std::printf("uninterrupted: accuracy %s%%, fingerprint %s; killed at step %s and restarted: %s%%, %s\n",
+                want[1].str().c_str(), want[2].str().c_str(), kill_at, got[1].str().c_str(), got[2].str().c_str());
+    EXPECT_EQ(got[2].str(), want[2].str()) << killed.describe();
+    EXPECT_EQ(got[1].str(), want[1].str()) << killed.describe();
+  }
   std::filesystem::remove_all(shards);
   std::filesystem::remove_all(checkpoints);
-  ASSERT_FALSE(killed.ranks[0].killed_at_deadline) << killed.describe();
-  ASSERT_EQ(killed.ranks[0].exit_code, 0) << killed.describe();
-  const std::string& out = killed.ranks[0].output;
-  EXPECT_NE(out.find("resumed from"), std::string::npos) << "the job was not restarted\n" << killed.describe();
-  // The last final line is the restarted job's.
-  std::string last;
-  for (std::sregex_iterator it(out.begin(), out.end(), final_line), end; it != end; ++it) last = (*it)[0];
-  std::smatch got;
-  ASSERT_TRUE(std::regex_search(last, got, final_line)) << killed.describe();
-  std::printf("uninterrupted: accuracy %s%%, fingerprint %s; killed and restarted: %s%%, %s\n", want[1].str().c_str(),
-              want[2].str().c_str(), got[1].str().c_str(), got[2].str().c_str());
-  EXPECT_EQ(got[2].str(), want[2].str()) << killed.describe();
-  EXPECT_EQ(got[1].str(), want[1].str()) << killed.describe();
 }
 
 }  // namespace

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,8 @@ Flags parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(name + " needs a value");
       const char* value = argv[++i];
       if (name == "--samples") {
-        flags.samples = integer_flag<size_t>(name, value, 0);
+        // At most an index (int64): a RandomSampler's num_samples.
+        flags.samples = integer_flag<size_t>(name, value, 0, static_cast<size_t>(std::numeric_limits<int64_t>::max()));
       } else if (name == "--batch-size") {
         flags.batch_size = integer_flag<int64_t>(name, value, 1);
       } else if (name == "--epochs") {

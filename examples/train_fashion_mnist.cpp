@@ -138,13 +138,13 @@ Flags parse(int argc, char** argv) {
       if (name == "--epochs") {
         flags.epochs = integer_flag<int>(name, value, 1);
       } else if (name == "--workers") {
-        flags.workers = integer_flag<int>(name, value, 0);
+        flags.workers = integer_flag<int>(name, value, 0, 1024);  // the loader's limit
       } else if (name == "--batch-size") {
         flags.batch_size = integer_flag<int64_t>(name, value, 1);
       } else if (name == "--seed") {
         flags.seed = integer_flag<uint64_t>(name, value, 0);
       } else if (name == "--threads") {
-        flags.threads = integer_flag<int>(name, value, 0);
+        flags.threads = integer_flag<int>(name, value, 0, 1024);  // 2^31 - 1 ran libgomp out of memory
       } else if (name == "--limit") {
         flags.limit = integer_flag<int64_t>(name, value, 0);
       } else if (name == "--source") {

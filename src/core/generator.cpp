@@ -246,7 +246,16 @@ void randperm(std::span<size_t> out, Generator& g) {
 }
 
 std::vector<size_t> randperm(size_t n, Generator& g) {
-  std::vector<size_t> out(n);
+  std::vector<size_t> out;
+  try {
+    out.resize(n);
+  } catch (const std::exception&) {  // bad_alloc, or length_error past what a vector holds
+    const std::string bytes = n > std::numeric_limits<size_t>::max() / sizeof(size_t)
+                                  ? "more than " + std::to_string(std::numeric_limits<size_t>::max()) + " bytes"
+                                  : std::to_string(n * sizeof(size_t)) + " bytes";
+    throw RuntimeError("randperm: can't allocate memory for a permutation of " + std::to_string(n) + " indices (" +
+                       bytes + ")");
+  }
   randperm(std::span<size_t>(out), g);
   return out;
 }

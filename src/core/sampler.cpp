@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -224,7 +225,16 @@ RandomSampler::RandomSampler(DataSize data_size, bool replacement,
                              std::optional<int64_t> num_samples,
                              std::optional<Generator> generator)
     : data_size_(std::move(data_size)), replacement_(replacement), generator_(std::move(generator)) {
-  // Python checks the num_samples property once, at construction.
+  // Python checks the num_samples property once, at construction. A size
+  // past int64 would show as a negative num_samples: Python's len() cannot
+  // return it either.
+  if (!num_samples) {
+    const size_t size = data_size_();
+    if (size > static_cast<size_t>(std::numeric_limits<int64_t>::max())) {
+      throw ValueError("RandomSampler: the dataset's size, " + std::to_string(size) +
+                       ", is more than an index holds (" + std::to_string(std::numeric_limits<int64_t>::max()) + ")");
+    }
+  }
   const int64_t resolved = num_samples.value_or(static_cast<int64_t>(data_size_()));
   if (resolved <= 0) {
     throw ValueError("num_samples should be a positive integer value, but got num_samples=" +

@@ -11,8 +11,10 @@ expect_failure(2 "--batch-size needs an integer from 1 to 9223372036854775807, g
                ${LOAD_DEMO} --samples 10 --epochs 1 --batch-size 0)
 expect_failure(2 "--batch-size needs an integer from 1 to 9223372036854775807, got '99999999999999999999'"
                ${LOAD_DEMO} --samples 10 --epochs 1 --batch-size 99999999999999999999)
-expect_failure(2 "--samples needs an integer from 0 to 18446744073709551615, got '12abc'"
+expect_failure(2 "--samples needs an integer from 0 to 9223372036854775807, got '12abc'"
                ${LOAD_DEMO} --samples 12abc --epochs 1)
+expect_failure(2 "--samples needs an integer from 0 to 9223372036854775807, got '18446744073709551615'"
+               ${LOAD_DEMO} --samples 18446744073709551615 --epochs 1)
 expect_failure(2 "--seed needs an integer from 0 to 18446744073709551615, got '-1'"
                ${LOAD_DEMO} --samples 10 --epochs 1 --seed -1)
 execute_process(COMMAND ${LOAD_DEMO} --samples 10 --epochs 1 --batch-size ""

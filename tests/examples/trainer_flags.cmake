@@ -10,8 +10,11 @@ set(tiny --epochs 1 --limit 32 --batch-size 32 --workers 0 --threads 1)
 
 expect_failure(2 "--epochs needs an integer from 1 to 2147483647, got '4294967296'"
                ${TRAINER} ${tiny} --epochs 4294967296)
-expect_failure(2 "--workers needs an integer from 0 to 2147483647, got '4294967295'"
+expect_failure(2 "--workers needs an integer from 0 to 1024, got '4294967295'"
                ${TRAINER} ${tiny} --workers 4294967295)
+expect_failure(2 "--workers needs an integer from 0 to 1024, got '5000'" ${TRAINER} ${tiny} --workers 5000)
+expect_failure(2 "--threads needs an integer from 0 to 1024, got '2147483647'"
+               ${TRAINER} ${tiny} --threads 2147483647)
 expect_failure(2 "--seed needs an integer from 0 to 18446744073709551615, got '99999999999999999999'"
                ${TRAINER} ${tiny} --seed 99999999999999999999)
 expect_failure(2 "--seed needs an integer from 0 to 18446744073709551615, got '-1'" ${TRAINER} ${tiny} --seed -1)

@@ -108,6 +108,21 @@ TEST(Generator, RandpermIsAPermutation) {
   }
 }
 
+// A permutation larger than memory or than a vector holds is an error
+// naming its size, not a bare std::bad_alloc or length_error.
+TEST(Generator, ARandpermTooLargeToHoldIsAnErrorNamingItsSize) {
+  conveyor::Generator g(5);
+  const size_t n = size_t{1} << 61;  // past what a vector of size_t holds: no allocation is tried
+  try {
+    (void)conveyor::randperm(n, g);
+    FAIL() << "a permutation of 2^61 indices was made";
+  } catch (const conveyor::RuntimeError& e) {
+    EXPECT_STREQ(e.what(),
+                 "randperm: can't allocate memory for a permutation of 2305843009213693952 indices (more than "
+                 "18446744073709551615 bytes)");
+  }
+}
+
 TEST(Generator, MultinomialWithoutReplacementNeverRepeats) {
   conveyor::Generator g(8);
   std::vector<double> weights(50);

@@ -5,8 +5,8 @@
 #include <conveyor/conveyor.h>
 
 #include <functional>
-#include <map>
 #include <limits>
+#include <map>
 #include <regex>
 #include <set>
 #include <string>
@@ -162,6 +162,15 @@ TEST(LoaderOptions, ConveyorOwnMistakesNameTheBadValue) {
     EXPECT_NE(std::string(e.what()).find("timeout option (1.5"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(conveyor::DataLoader(ds, {.num_workers = 1, .timeout = 1.5}));
+  // A dataset size past int64 showed as num_samples=-1.
+  try {
+    conveyor::RandomSampler sampler(std::numeric_limits<size_t>::max());
+    FAIL() << "a RandomSampler over 2^64 - 1 samples was made";
+  } catch (const conveyor::ValueError& e) {
+    EXPECT_STREQ(e.what(),
+                 "RandomSampler: the dataset's size, 18446744073709551615, is more than an index holds "
+                 "(9223372036854775807)");
+  }
 }
 
 // conveyor's own checks come after PyTorch's: options PyTorch 1.13 refuses

@@ -878,6 +878,69 @@ TEST(PipelineResume, AForksBatchedBranchesResumeAtEveryPlaceIncludingTheShortLas
   }
 }
 
+// A fork fed by another fork's consumer: on resume the outer fork's skip
+// leaves that consumer behind its saved place until an outer consumer
+// takes, and the inner fork measured its buffer from there: fuller than in
+// the saved pass, so its other consumer met an overflow error the saved
+// pass had not, and every outcome after it moved. A state taken in that
+// window saved the consumer's place as it stood, short of the saved one.
+TEST(PipelineResume, AForkFedByAnotherForksConsumerResumesWithTheSavedPassesOverflowErrors) {
+  auto take_or_overflow = [](auto& pass, Outcomes& out) {
+    try {
+      return take_one(pass, out);
+    } catch (const nodes::ForkOverflowError& e) {
+      out.push_back(std::string("overflow: ") + e.what());
+      return true;
+    }
+  };
+  for (const int64_t items : {int64_t{60}, int64_t{200}}) {
+    auto make = [items] {
+      auto inner = nodes::fork(nodes::from_range(0, items), 2, 8);
+      auto outer = nodes::fork(std::move(inner[0]), 2, 11);
+      std::vector<Pipeline<int64_t>> both;
+      both.push_back(std::move(outer[0]));
+      both.push_back(std::move(outer[1]));
+      std::vector<Pipeline<int64_t>> all;
+      all.push_back(nodes::weighted_mux(std::move(both), {1.0, 2.0}));
+      all.push_back(std::move(inner[1]));
+      auto pipeline = nodes::mux(std::move(all));
+      pipeline.seed(8);
+      return pipeline;
+    };
+    Outcomes whole;
+    {
+      auto pipeline = make();
+      auto pass = pipeline.pass();
+      while (take_or_overflow(pass, whole)) {
+      }
+    }
+    // Stopped after `cut`, then again one and two outputs into the resumed
+    // passes: states taken while a consumer is still short of the place
+    // the last state gave it keep that place and the errors met there.
+    for (const size_t steps : {size_t{1}, size_t{3}}) {
+      for (size_t cut = 0; cut + steps <= whole.size(); ++cut) {  // every state taken mid-pass
+        Outcomes got;
+        std::string saved;
+        for (size_t step = 0; step < steps; ++step) {
+          auto pipeline = make();
+          if (step > 0) pipeline.load_state(State::from_json(saved));
+          auto pass = pipeline.pass();
+          const size_t stop = step == 0 ? cut : got.size() + 1;
+          while (got.size() < stop && take_or_overflow(pass, got)) {
+          }
+          saved = pipeline.state().to_json();
+        }
+        auto pipeline = make();
+        pipeline.load_state(State::from_json(saved));
+        auto pass = pipeline.pass();
+        while (take_or_overflow(pass, got)) {
+        }
+        ASSERT_EQ(got, whole) << items << " items, stopped after " << cut << ", resumed " << steps << " times";
+      }
+    }
+  }
+}
+
 // A state placing a fork's consumers past the end of what upstream now
 // holds is refused, as a pass too short for its state is: by the pass's
 // skip where a consumer pulls there (a zip: the second branch's skip), on

@@ -741,9 +741,27 @@ class ForkState {
     const std::lock_guard lock(mutex_);
     upstream_->save_extras(nodes, in_pass);
     if (!in_pass || passes_[consumer] != pass_ || upstream_unreset_) return;
+    // A consumer of a resumed pass not yet back at its saved place (its
+    // skip waiting on another's, or behind a node that had pulled ahead)
+    // stood at that place in the saved pass, with the overflow errors met
+    // there still to come: saved as they were, or a state taken now and
+    // resumed would measure the buffer from too far back and drop those
+    // errors.
+    const Overflows& overflows = overflows_[consumer];
+    std::vector<uint64_t> runs = overflows.thrown;
+    for (size_t r = overflows.replay_at; r < overflows.replay.size(); r += 2) {
+      const uint64_t count = overflows.replay[r + 1] - (r == overflows.replay_at ? overflows.replayed : 0);
+      if (count == 0) continue;
+      if (!runs.empty() && runs[runs.size() - 2] == overflows.replay[r]) {
+        runs.back() += count;
+      } else {
+        runs.push_back(overflows.replay[r]);
+        runs.push_back(count);
+      }
+    }
     State mine = State::object();
-    mine.set("overflows", State::list(overflows_[consumer].thrown));
-    mine.set("at", taken_[consumer]);
+    mine.set("overflows", State::list(runs));
+    mine.set("at", std::max(taken_[consumer], overflows.quiet_until));
     mine.set("upstream_from", State::list(std::vector<uint64_t>{numbered_by_, upstream_first_id_}));
     nodes.set(std::to_string(id), std::move(mine));
   }
@@ -842,7 +860,10 @@ class ForkState {
       if (ended_) return std::nullopt;
       // Before where a resumed pass's consumer had taken, only the saved
       // overflow errors: the buffer may hold more meanwhile.
-      if (items_.size() >= buffer_limit_ && taken >= overflows.quiet_until) throw overflow(consumer, items_.size());
+      if (taken >= overflows.quiet_until) {
+        const uint64_t ahead = taken - std::min(taken, slowest_as_saved());
+        if (ahead >= buffer_limit_) throw overflow(consumer, ahead);
+      }
       if (!pull(polling)) return std::nullopt;
     }
     const Entry& entry = items_[static_cast<size_t>(taken - base_)];
@@ -929,6 +950,23 @@ class ForkState {
     }
     drop_taken_by_all();
     return skipped;
+  }
+
+  // Where the slowest consumer stands, as the saved pass had it where the
+  // pass was resumed: one not yet back at its saved place (its skip still
+  // to come, or behind a fork whose lazy skip has not pulled it there) stood
+  // at that place in the saved pass, from the state on. Measured from where
+  // it stands now, the buffer looked fuller than in the saved pass, and a
+  // resumed pass met overflow errors the saved one had not (a fork fed by
+  // another fork's consumer).
+  uint64_t slowest_as_saved() const noexcept {
+    uint64_t slowest = std::numeric_limits<uint64_t>::max();
+    for (size_t c = 0; c < taken_.size(); ++c) {
+      if (left_[c]) continue;
+      const uint64_t saved_place = passes_[c] == pass_ ? overflows_[c].quiet_until : 0;
+      slowest = std::min(slowest, std::max(taken_[c], saved_place));
+    }
+    return slowest;
   }
 
   // Drops what every consumer still in the fork has taken (one not yet

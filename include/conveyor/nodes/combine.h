@@ -850,8 +850,8 @@ class ForkState {
         const uint64_t placed = std::exchange(taken, base_ + items_.size());
         drop_taken_by_all();
         throw PlacedPastTheEnd("load_state: fork[" + std::to_string(consumer) + "]'s state had taken " +
-                         std::to_string(placed) + " items of its pass, but upstream ended after " +
-                         std::to_string(taken) + ": the data is not what it was");
+                               std::to_string(placed) + " items of its pass, but upstream ended after " +
+                               std::to_string(taken) + ": the data is not what it was");
       }
       pull(polling);
       drop_taken_by_all();
